@@ -1,0 +1,87 @@
+"""The Backend protocol: everything Libra needs to know about one kind of hardware.
+
+A backend is chosen by name (`cpu`, `cuda`, `ascend`) through `libra.backends.get_backend`. The
+control plane asks it for the device inventory of a host and for the environment that makes a
+worker process see only its own devices; cost models ask it for a hardware profile; worker
+processes call `prepare_worker` before they build an engine (the cpu backend patches Megatron-core
+there, and only there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device as the backend sees it on this host."""
+
+    index: int
+    """Index within the host, as the visible-devices variable names it."""
+    kind: str
+    """Product name, e.g. `cpu-slot`, `NVIDIA H200`, `Ascend910B3`."""
+    memory_bytes: int
+    """Memory available to one worker on this device."""
+    cores: tuple[int, ...] = ()
+    """CPU cores pinned to this device (cpu backend: the slot's cores)."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Per-device performance figures the planner's cost models are parameterised by."""
+
+    name: str
+    peak_bf16_flops: float
+    """Dense bf16 FLOP/s of one device."""
+    memory_bandwidth_bytes_per_s: float
+    memory_capacity_bytes: int
+    intra_node_bandwidth_bytes_per_s: float
+    """Per-device bandwidth to peers in the same node (NVLink, HCCS; memcpy on the CPU)."""
+    inter_node_bandwidth_bytes_per_s: float
+    """Per-device bandwidth to other nodes (InfiniBand / RoCE NICs)."""
+    devices_per_node: int
+
+
+@dataclass(frozen=True)
+class Availability:
+    available: bool
+    reason: str = ""
+    """Why the backend cannot be used here, when it cannot."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Contract of a device backend. Implementations must import on any machine: libraries of
+    the hardware (torch.cuda, torch_npu) are touched only inside methods, and `availability`
+    says why they are missing instead of raising."""
+
+    name: str
+    """Registry name: `cpu`, `cuda`, `ascend`."""
+    visible_devices_env: str
+    """The variable that restricts a process to its devices (e.g. `CUDA_VISIBLE_DEVICES`)."""
+    distributed_backend: str
+    """torch.distributed backend for collectives: `gloo`, `nccl`, `hccl`."""
+
+    def availability(self) -> Availability: ...
+
+    def devices(self) -> list[DeviceInfo]:
+        """The devices of this host. Raises RuntimeError (with the availability reason) when
+        the backend is unavailable."""
+        ...
+
+    def worker_env(self, device_indices: list[int]) -> dict[str, str]:
+        """Environment variables for a worker process that owns exactly these devices."""
+        ...
+
+    def torch_device(self, local_index: int) -> "torch.device":  # noqa: F821
+        """The torch device for the `local_index`-th device visible to the current process."""
+        ...
+
+    def hardware_profile(self) -> HardwareProfile:
+        """Figures for the devices of this host (cost models, planner)."""
+        ...
+
+    def prepare_worker(self) -> None:
+        """Called once in a worker process before any engine (vLLM, Megatron) is built."""
+        ...

@@ -1,0 +1,141 @@
+"""The `libra` command. Subcommands arrive with the components they drive."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from libra.config import LibraConfig, load_config
+
+logger = logging.getLogger("libra")
+
+ADDRESS_FILE = "controller.addr"
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="Python config file defining config() -> LibraConfig")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.field=value", help="config overrides, e.g. control.port=0"
+    )
+
+
+def _load(args: argparse.Namespace) -> LibraConfig:
+    return load_config(args.config, args.overrides)
+
+
+def _controller_address(args: argparse.Namespace, config: LibraConfig) -> str:
+    if args.controller:
+        return args.controller
+    address_file = Path(config.run_dir) / ADDRESS_FILE
+    if address_file.is_file():
+        return address_file.read_text().strip()
+    raise ValueError(f"no controller address: pass --controller HOST:PORT or run where {address_file} exists")
+
+
+def _client_token(args: argparse.Namespace, config: LibraConfig) -> str:
+    from libra.control.auth import read_token_file, resolve_token
+
+    if args.token_file:
+        return read_token_file(args.token_file)
+    return resolve_token(config.control, config.run_dir, create=False)
+
+
+def _serve_until_signalled(component) -> None:
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    component.stop()
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from libra.control import Controller
+
+    config = _load(args)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    controller = Controller(config).start()
+    (run_dir / ADDRESS_FILE).write_text(controller.address + "\n")
+    print(f"controller listening on {controller.address}; token in {run_dir / 'token'} (or $LIBRA_TOKEN)", flush=True)
+    _serve_until_signalled(controller)
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from libra.control import NodeAgent
+
+    config = _load(args)
+    agent = NodeAgent(config, _controller_address(args, config), _client_token(args, config), port=args.port)
+    agent.start()
+    print(f"agent {agent.agent_id} serving on {agent.address} with {len(agent.devices)} device(s)", flush=True)
+    _serve_until_signalled(agent)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from libra.control import ClusterClient
+    from libra.control.status_view import render_events, render_state
+
+    config = _load(args)
+    with ClusterClient(_controller_address(args, config), _client_token(args, config), config.control) as client:
+        state = client.cluster_state()
+        render_state(state)
+        if args.watch:
+            try:
+                render_events(client.watch_events(after_sequence=state.last_event_sequence))
+            except KeyboardInterrupt:
+                pass
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="libra", description="Agentic RL post-training runtime.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("controller", help="run the controller (gRPC control plane)")
+    _config_args(p)
+    p.set_defaults(func=cmd_controller)
+
+    p = sub.add_parser("agent", help="run a node agent that owns this host's devices")
+    _config_args(p)
+    p.add_argument("--controller", help="controller HOST:PORT (default: from the run folder)")
+    p.add_argument("--token-file", help="file holding the run's bearer token")
+    p.add_argument("--port", type=int, default=0, help="port of the agent's own service (0: any free)")
+    p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("status", help="print the cluster state (and follow events with --watch)")
+    _config_args(p)
+    p.add_argument("--controller", help="controller HOST:PORT (default: from the run folder)")
+    p.add_argument("--token-file", help="file holding the run's bearer token")
+    p.add_argument("--watch", action="store_true", help="keep printing events as they happen")
+    p.set_defaults(func=cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"libra {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - gRPC errors reach the user as one readable line
+        import grpc
+
+        if isinstance(e, grpc.RpcError):
+            print(f"libra {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

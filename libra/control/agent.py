@@ -1,0 +1,162 @@
+"""The node agent: one process per host that owns the host's devices and runs workers on the
+controller's word.
+
+It registers its device inventory (from the backend), keeps a heartbeat stream to the controller,
+serves `NodeAgent` (start/stop/list workers) and reports every worker exit. If the controller
+answers a beat with `known=False` (it declared this agent lost, and so its workers lost), the agent
+stops its workers — somebody else now owns their work — and registers afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from libra.backends import get_backend
+from libra.config import LibraConfig
+from libra.control import convert
+from libra.control.auth import open_channel
+from libra.control.server import RunningServer, rpc_errors, start_server
+from libra.control.supervisor import WorkerSupervisor
+from libra.control.types import WorkerStatus
+from libra.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, controller_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
+    def __init__(self, supervisor: WorkerSupervisor):
+        self._supervisor = supervisor
+
+    @rpc_errors
+    def StartWorker(self, request, context):
+        spec = convert.worker_spec_from_proto(request.spec)
+        return convert.worker_status_to_proto(self._supervisor.start(spec))
+
+    @rpc_errors
+    def StopWorker(self, request, context):
+        if request.grace_s < 0:
+            raise convert.InvalidArgument(f"grace_s must be >= 0, got {request.grace_s}")
+        return convert.worker_status_to_proto(self._supervisor.stop(request.worker_id, request.grace_s))
+
+    @rpc_errors
+    def ListWorkers(self, request, context):
+        return agent_pb2.ListWorkersReply(
+            workers=[convert.worker_status_to_proto(w) for w in self._supervisor.list()]
+        )
+
+
+class NodeAgent:
+    def __init__(self, config: LibraConfig, controller_address: str, token: str, port: int = 0):
+        self.config = config
+        self.controller_address = controller_address
+        self.backend = get_backend(config.backend.name, **config.backend.options())
+        self.devices = tuple(self.backend.devices())
+        self.host = socket.gethostname()
+        self._token = token
+        self._port = port
+        self._stopping = threading.Event()
+        self._leaving = threading.Event()
+        self.agent_id = ""
+        log_dir = Path(config.run_dir) / "logs" / "workers"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.supervisor = WorkerSupervisor(
+            self.backend, {d.index for d in self.devices}, log_dir, on_change=self._report
+        )
+        self._channel = open_channel(controller_address, token, config.control)
+        self._registry = controller_pb2_grpc.AgentRegistryStub(self._channel)
+        self._server: RunningServer | None = None
+        self._heartbeat = threading.Thread(target=self._keep_heartbeat, name="libra-heartbeat", daemon=True)
+
+    @property
+    def address(self) -> str:
+        assert self._server is not None, "start() first"
+        return f"{self.config.control.host}:{self._server.port}"
+
+    def start(self, register_timeout_s: float = 30.0) -> NodeAgent:
+        def add_servicers(server: grpc.Server) -> list[str]:
+            agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(self.supervisor), server)
+            return [agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"].full_name]
+
+        self._server = start_server(self.config.control, self._token, add_servicers, port=self._port)
+        self._register(timeout_s=register_timeout_s)
+        self._heartbeat.start()
+        return self
+
+    def _register(self, timeout_s: float) -> None:
+        request = controller_pb2.RegisterRequest(
+            host=self.host,
+            address=self.address,
+            backend=self.backend.name,
+            devices=[convert.device_to_proto(d) for d in self.devices],
+        )
+        # wait_for_ready lets the agent start before the controller is up (launch order is free).
+        reply = self._registry.Register(request, timeout=timeout_s, wait_for_ready=True)
+        self.agent_id = reply.agent_id
+        self.supervisor.agent_id = reply.agent_id
+        self._interval_s = reply.heartbeat_interval_s
+        logger.info("registered as %s with %s", self.agent_id, self.controller_address)
+
+    def _beats(self, agent_id: str):
+        while not self._stopping.is_set():
+            yield controller_pb2.HeartbeatRequest(
+                agent_id=agent_id, running_worker_ids=self.supervisor.running_ids()
+            )
+            self._stopping.wait(self._interval_s)
+
+    def _keep_heartbeat(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                for reply in self._registry.Heartbeat(self._beats(self.agent_id)):
+                    if not reply.known:
+                        if self._leaving.is_set():
+                            return
+                        logger.warning("controller no longer knows %s: stopping workers, registering again", self.agent_id)
+                        self.supervisor.stop_all()
+                        self._register(timeout_s=60.0)
+                        break
+            except grpc.RpcError as e:
+                if self._stopping.is_set():
+                    return
+                logger.warning("heartbeat stream to %s broke (%s); retrying", self.controller_address, e.code().name)
+                self._stopping.wait(self._interval_s)
+
+    def _report(self, status: WorkerStatus) -> None:
+        try:
+            self._registry.ReportWorker(
+                controller_pb2.ReportWorkerRequest(
+                    agent_id=self.agent_id, worker=convert.worker_status_to_proto(status)
+                ),
+                timeout=10.0,
+            )
+        except grpc.RpcError as e:
+            logger.warning("could not report worker %s: %s", status.spec.worker_id, e.details())
+
+    def wait(self) -> None:
+        self._stopping.wait()
+
+    def stop(self) -> None:
+        """Stops workers, deregisters, and shuts the server down."""
+        if self._leaving.is_set():
+            return
+        # Deregister before the heartbeat stream closes, so the controller records a clean leave
+        # rather than a lost agent.
+        self._leaving.set()
+        self.supervisor.stop_all()
+        if self.agent_id:
+            try:
+                self._registry.Deregister(controller_pb2.DeregisterRequest(agent_id=self.agent_id), timeout=5.0)
+            except grpc.RpcError as e:
+                logger.warning("deregistration failed: %s", e.details())
+        self._stopping.set()
+        if self._server is not None:
+            self._server.stop()
+        self._channel.close()
+        deadline = time.monotonic() + 2.0
+        while self._heartbeat.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -1,0 +1,52 @@
+"""Config loading, overrides and validation errors that name the option."""
+
+from __future__ import annotations
+
+import pytest
+
+from libra.config import ControlConfig, LibraConfig, apply_override, load_config
+
+
+def test_overrides_parse_types_and_revalidate():
+    cfg = apply_override(LibraConfig(), "control.port=0")
+    cfg = apply_override(cfg, "--backend.num_devices=3")
+    cfg = apply_override(cfg, "control.token=none")
+    cfg = apply_override(cfg, "run_dir=/tmp/x")
+    assert (cfg.control.port, cfg.backend.num_devices, cfg.control.token, cfg.run_dir) == (0, 3, None, "/tmp/x")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("control.port=70000", "control.port"),
+        ("control.prot=1", "unknown config option 'control.prot'"),
+        ("control.port=abc", "cannot read 'abc' as int"),
+        ("backend.num_devices=0", "backend.num_devices"),
+        ("control.heartbeat_interval_s=-1", "control.heartbeat_interval_s"),
+        ("control.port", "section.field=value"),
+        ("run_dir.x=1", "not a section"),
+    ],
+)
+def test_bad_overrides_name_the_option(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        apply_override(LibraConfig(), override)
+
+
+def test_tls_files_come_in_pairs():
+    with pytest.raises(ValueError, match="tls_cert_file and control.tls_key_file"):
+        ControlConfig(tls_cert_file="cert.pem")
+
+
+def test_config_file_must_define_config(tmp_path):
+    good = tmp_path / "good.py"
+    good.write_text(
+        "from libra.config import LibraConfig, ControlConfig\n"
+        "def config():\n    return LibraConfig(control=ControlConfig(port=1234))\n"
+    )
+    assert load_config(good, ["control.heartbeat_interval_s=0.5"]).control.port == 1234
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="must define a function `config"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="not found"):
+        load_config(tmp_path / "missing.py")
