@@ -35,8 +35,7 @@ def start_echo_server(threads: int) -> tuple[grpc.Server, int]:
         return request
 
     def stream(requests, context):
-        for request in requests:
-            yield request
+        yield from requests
 
     handler = grpc.method_handlers_generic_handler(
         "bench.Echo",
@@ -85,7 +84,9 @@ def p99(samples: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each heartbeat measurement")
     parser.add_argument("--calls", type=int, default=3000, help="unary calls per latency measurement")
     args = parser.parse_args()
@@ -98,7 +99,9 @@ def main() -> None:
         api = controller_pb2_grpc.ClusterApiStub(open_channel(controller.address, TOKEN))
         device = common_pb2.Device(index=0, kind="cpu-slot", memory_bytes=1 << 30)
         agent_id = registry.Register(
-            controller_pb2.RegisterRequest(host="bench", address="127.0.0.1:1", backend="cpu", devices=[device])
+            controller_pb2.RegisterRequest(
+                host="bench", address="127.0.0.1:1", backend="cpu", devices=[device]
+            )
         ).agent_id
         beat = controller_pb2.HeartbeatRequest(agent_id=agent_id, running_worker_ids=["w0", "w1"])
         echo = grpc.insecure_channel(f"127.0.0.1:{echo_port}")
@@ -118,7 +121,12 @@ def main() -> None:
     table = Table(title="Control plane on loopback (same process, same run)")
     for column in ("measure", "libra controller", "bare grpcio echo", "libra / echo"):
         table.add_column(column, justify="right")
-    table.add_row("heartbeats/s (one stream)", f"{libra_beats:,.0f}", f"{echo_beats:,.0f}", f"{libra_beats / echo_beats:.2f}")
+    table.add_row(
+        "heartbeats/s (one stream)",
+        f"{libra_beats:,.0f}",
+        f"{echo_beats:,.0f}",
+        f"{libra_beats / echo_beats:.2f}",
+    )
     for name, fn in (("median", statistics.median), ("p99", p99)):
         lib, base = fn(libra_lat), fn(echo_lat)
         table.add_row(f"unary round trip {name} (µs)", f"{lib:,.0f}", f"{base:,.0f}", f"{lib / base:.2f}")

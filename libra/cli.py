@@ -60,7 +60,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     controller = Controller(config).start()
     (run_dir / ADDRESS_FILE).write_text(controller.address + "\n")
-    print(f"controller listening on {controller.address}; token in {run_dir / 'token'} (or $LIBRA_TOKEN)", flush=True)
+    print(
+        f"controller listening on {controller.address}; token in {run_dir / 'token'} (or $LIBRA_TOKEN)",
+        flush=True,
+    )
     _serve_until_signalled(controller)
     return 0
 
@@ -71,7 +74,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     config = _load(args)
     agent = NodeAgent(config, _controller_address(args, config), _client_token(args, config), port=args.port)
     agent.start()
-    print(f"agent {agent.agent_id} serving on {agent.address} with {len(agent.devices)} device(s)", flush=True)
+    print(
+        f"agent {agent.agent_id} serving on {agent.address} with {len(agent.devices)} device(s)", flush=True
+    )
     _serve_until_signalled(agent)
     return 0
 
@@ -81,7 +86,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from libra.control.status_view import render_events, render_state
 
     config = _load(args)
-    with ClusterClient(_controller_address(args, config), _client_token(args, config), config.control) as client:
+    with ClusterClient(
+        _controller_address(args, config), _client_token(args, config), config.control
+    ) as client:
         state = client.cluster_state()
         render_state(state)
         if args.watch:

@@ -132,4 +132,5 @@ def _parse_value(raw: str, hint: object, key: str) -> object:
             return raw.lower() in ("true", "1", "yes")
         return kind(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"config option {key!r}: cannot read {raw!r} as {getattr(kind, '__name__', kind)}")
+        kind_name = getattr(kind, "__name__", kind)
+        raise ValueError(f"config option {key!r}: cannot read {raw!r} as {kind_name}") from None

@@ -12,7 +12,12 @@ def test_overrides_parse_types_and_revalidate():
     cfg = apply_override(cfg, "--backend.num_devices=3")
     cfg = apply_override(cfg, "control.token=none")
     cfg = apply_override(cfg, "run_dir=/tmp/x")
-    assert (cfg.control.port, cfg.backend.num_devices, cfg.control.token, cfg.run_dir) == (0, 3, None, "/tmp/x")
+    assert (cfg.control.port, cfg.backend.num_devices, cfg.control.token, cfg.run_dir) == (
+        0,
+        3,
+        None,
+        "/tmp/x",
+    )
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,10 @@ there, and only there).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class Backend(Protocol):
         """Environment variables for a worker process that owns exactly these devices."""
         ...
 
-    def torch_device(self, local_index: int) -> "torch.device":  # noqa: F821
+    def torch_device(self, local_index: int) -> torch.device:
         """The torch device for the `local_index`-th device visible to the current process."""
         ...
 

@@ -116,14 +116,19 @@ class NodeAgent:
                     if not reply.known:
                         if self._leaving.is_set():
                             return
-                        logger.warning("controller no longer knows %s: stopping workers, registering again", self.agent_id)
+                        logger.warning(
+                            "controller no longer knows %s: stopping workers, registering again",
+                            self.agent_id,
+                        )
                         self.supervisor.stop_all()
                         self._register(timeout_s=60.0)
                         break
             except grpc.RpcError as e:
                 if self._stopping.is_set():
                     return
-                logger.warning("heartbeat stream to %s broke (%s); retrying", self.controller_address, e.code().name)
+                logger.warning(
+                    "heartbeat stream to %s broke (%s); retrying", self.controller_address, e.code().name
+                )
                 self._stopping.wait(self._interval_s)
 
     def _report(self, status: WorkerStatus) -> None:
@@ -150,7 +155,9 @@ class NodeAgent:
         self.supervisor.stop_all()
         if self.agent_id:
             try:
-                self._registry.Deregister(controller_pb2.DeregisterRequest(agent_id=self.agent_id), timeout=5.0)
+                self._registry.Deregister(
+                    controller_pb2.DeregisterRequest(agent_id=self.agent_id), timeout=5.0
+                )
             except grpc.RpcError as e:
                 logger.warning("deregistration failed: %s", e.details())
         self._stopping.set()

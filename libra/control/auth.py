@@ -67,7 +67,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        return _refusing_handler(handler, "missing or invalid bearer token" if presented else "missing bearer token")
+        return _refusing_handler(
+            handler, "missing or invalid bearer token" if presented else "missing bearer token"
+        )
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -109,7 +111,11 @@ class _BearerInterceptor(
 
     def _with_token(self, details):
         metadata = list(details.metadata or []) + [self._header]
-        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+        return (
+            details._replace(metadata=metadata)
+            if hasattr(details, "_replace")
+            else _Details(details, metadata)
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._with_token(details), request)

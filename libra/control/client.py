@@ -12,7 +12,9 @@ from libra.v1 import controller_pb2, controller_pb2_grpc
 
 
 class ClusterClient:
-    def __init__(self, address: str, token: str, config: ControlConfig | None = None, timeout_s: float = 30.0):
+    def __init__(
+        self, address: str, token: str, config: ControlConfig | None = None, timeout_s: float = 30.0
+    ):
         self._channel = open_channel(address, token, config)
         self._stub = controller_pb2_grpc.ClusterApiStub(self._channel)
         self._timeout = timeout_s
@@ -23,7 +25,9 @@ class ClusterClient:
 
     def watch_events(self, after_sequence: int = 0, kinds: Iterable[EventKind] = ()) -> Iterator[Event]:
         """Blocks on the stream; cancel by closing the client (or breaking out and calling close)."""
-        request = controller_pb2.WatchEventsRequest(after_sequence=after_sequence, kinds=[int(k) for k in kinds])
+        request = controller_pb2.WatchEventsRequest(
+            after_sequence=after_sequence, kinds=[int(k) for k in kinds]
+        )
         for msg in self._stub.WatchEvents(request):
             yield convert.event_from_proto(msg)
 

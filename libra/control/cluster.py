@@ -143,7 +143,9 @@ class Cluster:
                 agent_id=status.agent_id,
                 worker_id=status.spec.worker_id,
                 exit_code=status.exit_code,
-                message=f"pid {status.pid}" if status.state == WorkerState.RUNNING else f"exit {status.exit_code}",
+                message=f"pid {status.pid}"
+                if status.state == WorkerState.RUNNING
+                else f"exit {status.exit_code}",
             )
 
     def worker(self, worker_id: str) -> WorkerStatus:

@@ -91,7 +91,9 @@ class ClusterApiServicer(controller_pb2_grpc.ClusterApiServicer):
             raise convert.InvalidArgument(f"after_sequence must be >= 0, got {request.after_sequence}")
         kinds = convert.event_kinds_from_proto(list(request.kinds))
         events = self._cluster.events.watch(
-            request.after_sequence, kinds, is_active=lambda: context.is_active() and not self._stopping.is_set()
+            request.after_sequence,
+            kinds,
+            is_active=lambda: context.is_active() and not self._stopping.is_set(),
         )
         return (convert.event_to_proto(e) for e in events)
 
@@ -103,7 +105,9 @@ class ClusterApiServicer(controller_pb2_grpc.ClusterApiServicer):
         foreign = [d for d in spec.devices if d not in owned]
         if foreign:
             raise convert.InvalidArgument(f"spec.devices {foreign} do not exist on agent {agent.agent_id}")
-        reply = self._agents.call(agent.address, "StartWorker", agent_pb2.AgentStartWorkerRequest(spec=request.spec))
+        reply = self._agents.call(
+            agent.address, "StartWorker", agent_pb2.AgentStartWorkerRequest(spec=request.spec)
+        )
         self._cluster.record_worker(convert.worker_status_from_proto(reply))
         return reply
 
@@ -141,10 +145,12 @@ class AgentClients:
             return getattr(stub, method)(request, timeout=self._timeout)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-                raise (convert.InvalidArgument if e.code() == grpc.StatusCode.INVALID_ARGUMENT else LookupError)(
-                    e.details()
-                ) from None
-            raise RuntimeError(f"agent at {address} failed {method}: {e.code().name}: {e.details()}") from None
+                raise (
+                    convert.InvalidArgument if e.code() == grpc.StatusCode.INVALID_ARGUMENT else LookupError
+                )(e.details()) from None
+            raise RuntimeError(
+                f"agent at {address} failed {method}: {e.code().name}: {e.details()}"
+            ) from None
 
 
 class Controller:
@@ -171,7 +177,9 @@ class Controller:
 
     def start(self) -> Controller:
         def add_servicers(server: grpc.Server) -> list[str]:
-            controller_pb2_grpc.add_AgentRegistryServicer_to_server(AgentRegistryServicer(self.cluster), server)
+            controller_pb2_grpc.add_AgentRegistryServicer_to_server(
+                AgentRegistryServicer(self.cluster), server
+            )
             controller_pb2_grpc.add_ClusterApiServicer_to_server(
                 ClusterApiServicer(self.cluster, self._agents, self._stopping), server
             )

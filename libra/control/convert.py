@@ -98,7 +98,9 @@ def worker_status_to_proto(status: WorkerStatus) -> common_pb2.WorkerStatus:
 
 def worker_status_from_proto(msg: common_pb2.WorkerStatus, field: str = "worker") -> WorkerStatus:
     if msg.state not in WorkerState.__members__.values():
-        raise InvalidArgument(f"{field}.state must be one of {[s.name for s in WorkerState]}, got {msg.state}")
+        raise InvalidArgument(
+            f"{field}.state must be one of {[s.name for s in WorkerState]}, got {msg.state}"
+        )
     return WorkerStatus(
         spec=worker_spec_from_proto(msg.spec, f"{field}.spec"),
         agent_id=msg.agent_id,
@@ -164,7 +166,9 @@ def event_from_proto(msg: common_pb2.Event) -> Event:
 def event_kinds_from_proto(kinds: list[int], field: str = "kinds") -> frozenset[EventKind]:
     unknown = [k for k in kinds if k not in EventKind.__members__.values()]
     if unknown:
-        raise InvalidArgument(f"{field} has unknown event kinds {unknown}; known: {[k.name for k in EventKind]}")
+        raise InvalidArgument(
+            f"{field} has unknown event kinds {unknown}; known: {[k.name for k in EventKind]}"
+        )
     return frozenset(EventKind(k) for k in kinds)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from collections.abc import Iterable
 
@@ -21,8 +22,13 @@ _WORKER_STYLE = {
 }
 
 
+def _console() -> Console:
+    # Piped output (logs, scripts) gets the full table instead of one wrapped to 80 columns.
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def render_state(state: ClusterState, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or _console()
     now = time.time()
     agents = Table(title=f"Agents ({sum(a.state == AgentState.ALIVE for a in state.agents)} alive)")
     for column in ("agent", "state", "address", "backend", "devices", "memory/device", "last beat"):
@@ -58,7 +64,7 @@ def render_state(state: ClusterState, console: Console | None = None) -> None:
 
 
 def render_events(events: Iterable[Event], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or _console()
     for e in events:
         stamp = datetime.datetime.fromtimestamp(e.time).strftime("%H:%M:%S.%f")[:-3]
         subject = " ".join(x for x in (e.agent_id, e.worker_id) if x)

@@ -16,8 +16,8 @@ import signal
 import subprocess
 import threading
 import time
-from concurrent import futures
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 
 from libra.backends.base import Backend
@@ -68,7 +68,10 @@ class WorkerSupervisor:
             env = {**os.environ, **self._backend.worker_env(list(spec.devices)), **spec.env}
             spawned: futures.Future[subprocess.Popen] = futures.Future()
             threading.Thread(
-                target=self._run, args=(spec, env, log_path, spawned), name=f"worker-{spec.worker_id}", daemon=True
+                target=self._run,
+                args=(spec, env, log_path, spawned),
+                name=f"worker-{spec.worker_id}",
+                daemon=True,
             ).start()
             try:
                 process = spawned.result()
@@ -83,15 +86,15 @@ class WorkerSupervisor:
                 log_path=str(log_path),
             )
             self._workers[spec.worker_id] = _Worker(status=status, process=process)
-        logger.info("worker %s started: pid %d on devices %s", spec.worker_id, process.pid, list(spec.devices))
+        logger.info(
+            "worker %s started: pid %d on devices %s", spec.worker_id, process.pid, list(spec.devices)
+        )
         return dataclasses.replace(status)
 
     def _busy_devices(self) -> set[int]:
         return {d for w in self._workers.values() if not w.status.state.ended for d in w.status.spec.devices}
 
-    def _run(
-        self, spec: WorkerSpec, env: dict[str, str], log_path: Path, spawned: futures.Future
-    ) -> None:
+    def _run(self, spec: WorkerSpec, env: dict[str, str], log_path: Path, spawned: futures.Future) -> None:
         """Spawns the worker and waits for it, in a thread that lives exactly as long as the
         worker: the kernel's parent-death signal is tied to the spawning thread, so a worker is
         killed when its agent dies (its work has been handed back by then) but not before."""

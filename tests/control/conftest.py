@@ -59,8 +59,12 @@ def spawn_agent(controller, config, tmp_path):
         env = {**os.environ, "LIBRA_TOKEN": TOKEN}
         process = subprocess.Popen(
             [
-                sys.executable, "-m", "libra.cli", "agent",
-                "--controller", controller.address,
+                sys.executable,
+                "-m",
+                "libra.cli",
+                "agent",
+                "--controller",
+                controller.address,
                 f"run_dir={tmp_path / f'agent{len(processes)}'}",
                 f"backend.num_devices={num_devices}",
             ],
@@ -74,7 +78,8 @@ def spawn_agent(controller, config, tmp_path):
             if process.poll() is not None:
                 raise AssertionError(f"agent exited early: {process.stderr.read().decode()}")
             fresh = [
-                a for a in controller.cluster.snapshot().agents
+                a
+                for a in controller.cluster.snapshot().agents
                 if a.agent_id not in known and a.state == AgentState.ALIVE
             ]
             return fresh[0].agent_id if fresh else None

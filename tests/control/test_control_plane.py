@@ -43,7 +43,11 @@ class EventCollector:
     def first(self, kind: EventKind, **match):
         def find():
             return next(
-                (e for e in self.events if e.kind == kind and all(getattr(e, k) == v for k, v in match.items())),
+                (
+                    e
+                    for e in self.events
+                    if e.kind == kind and all(getattr(e, k) == v for k, v in match.items())
+                ),
                 None,
             )
 
@@ -76,7 +80,10 @@ def test_worker_sees_its_devices_and_its_exit_is_reported(client, spawn_agent, t
 
 def test_stop_worker_stops_its_process_group(client, spawn_agent):
     agent = spawn_agent()
-    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    code = (
+        "import subprocess, sys, time;"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    )
     started = client.start_worker(agent.agent_id, python_worker("sleeper", (0,), code))
     stopped = client.stop_worker("sleeper", grace_s=2.0)
     assert stopped.state == WorkerState.STOPPED
@@ -98,7 +105,9 @@ def test_devices_are_exclusive_until_the_worker_ends(client, spawn_agent):
 def test_killed_agent_is_detected_and_its_workers_lost(client, spawn_agent):
     survivor, victim = spawn_agent(), spawn_agent()
     watcher = EventCollector(client, after_sequence=client.cluster_state().last_event_sequence)
-    orphan = client.start_worker(victim.agent_id, python_worker("orphan", (0,), "import time; time.sleep(60)"))
+    orphan = client.start_worker(
+        victim.agent_id, python_worker("orphan", (0,), "import time; time.sleep(60)")
+    )
 
     victim.kill()
     lost = watcher.first(EventKind.AGENT_LOST, agent_id=victim.agent_id)
@@ -116,7 +125,9 @@ def test_silent_agent_is_lost_within_three_heartbeats(controller, client, spawn_
     os.kill(agent.process.pid, 19)  # SIGSTOP: the stream stays open but no beat comes
     try:
         lost = watcher.first(EventKind.AGENT_LOST, agent_id=agent.agent_id)
-        last_beat = next(a for a in client.cluster_state().agents if a.agent_id == agent.agent_id).last_heartbeat_at
+        last_beat = next(
+            a for a in client.cluster_state().agents if a.agent_id == agent.agent_id
+        ).last_heartbeat_at
         assert lost.time - last_beat <= 3 * HEARTBEAT_S + HEARTBEAT_S / 3 + 0.2
         assert "no heartbeat" in lost.message
     finally:
@@ -137,15 +148,23 @@ def test_unauthenticated_calls_are_refused(controller, spawn_agent, token):
     agent = spawn_agent()
     channel = open_channel(controller.address, token)
     calls = [
-        lambda: controller_pb2_grpc.ClusterApiStub(channel).GetClusterState(controller_pb2.GetClusterStateRequest()),
-        lambda: list(controller_pb2_grpc.ClusterApiStub(channel).WatchEvents(controller_pb2.WatchEventsRequest())),
+        lambda: controller_pb2_grpc.ClusterApiStub(channel).GetClusterState(
+            controller_pb2.GetClusterStateRequest()
+        ),
+        lambda: list(
+            controller_pb2_grpc.ClusterApiStub(channel).WatchEvents(controller_pb2.WatchEventsRequest())
+        ),
         lambda: controller_pb2_grpc.AgentRegistryStub(channel).Register(
             controller_pb2.RegisterRequest(host="evil", address="127.0.0.1:1")
         ),
     ]
-    agent_address = next(a.address for a in controller.cluster.snapshot().agents if a.agent_id == agent.agent_id)
+    agent_address = next(
+        a.address for a in controller.cluster.snapshot().agents if a.agent_id == agent.agent_id
+    )
     agent_channel = open_channel(agent_address, token)
-    calls.append(lambda: agent_pb2_grpc.NodeAgentStub(agent_channel).ListWorkers(agent_pb2.ListWorkersRequest()))
+    calls.append(
+        lambda: agent_pb2_grpc.NodeAgentStub(agent_channel).ListWorkers(agent_pb2.ListWorkersRequest())
+    )
     for call in calls:
         with pytest.raises(grpc.RpcError) as err:
             call()
@@ -156,7 +175,9 @@ def test_unauthenticated_calls_are_refused(controller, spawn_agent, token):
 def test_malformed_requests_name_the_field(controller, client, spawn_agent):
     agent = spawn_agent()
     stub = controller_pb2_grpc.ClusterApiStub(open_channel(controller.address, TOKEN))
-    good = common_pb2.WorkerSpec(worker_id="w", role=common_pb2.WORKER_ROLE_GENERIC, devices=[0], argv=["true"])
+    good = common_pb2.WorkerSpec(
+        worker_id="w", role=common_pb2.WORKER_ROLE_GENERIC, devices=[0], argv=["true"]
+    )
 
     def spec(**changes):
         s = common_pb2.WorkerSpec()
@@ -173,7 +194,9 @@ def test_malformed_requests_name_the_field(controller, client, spawn_agent):
         "spec.worker_id": controller_pb2.StartWorkerRequest(agent_id=agent.agent_id, spec=spec(worker_id="")),
         "spec.argv": controller_pb2.StartWorkerRequest(agent_id=agent.agent_id, spec=spec(argv=[])),
         "spec.role": controller_pb2.StartWorkerRequest(agent_id=agent.agent_id, spec=spec(role=99)),
-        "spec.devices [7]": controller_pb2.StartWorkerRequest(agent_id=agent.agent_id, spec=spec(devices=[7])),
+        "spec.devices [7]": controller_pb2.StartWorkerRequest(
+            agent_id=agent.agent_id, spec=spec(devices=[7])
+        ),
         "spec.devices has duplicates": controller_pb2.StartWorkerRequest(
             agent_id=agent.agent_id, spec=spec(devices=[0, 0])
         ),

@@ -1,0 +1,97 @@
+"""NVIDIA GPUs through torch.cuda: one device per GPU, NCCL collectives.
+
+Importable without torch: torch is imported inside methods, and `availability()` says what is
+missing. Device indices are positions in this process's view of the GPUs (torch's numbering);
+`worker_env` maps them through an inherited `CUDA_VISIBLE_DEVICES` (see
+`libra.backends.visible_devices.restrict_visible_devices`).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from libra.backends.base import Availability, DeviceInfo, HardwareProfile
+from libra.backends.profiles import KNOWN_PROFILES, profile_for
+from libra.backends.visible_devices import restrict_visible_devices
+
+if TYPE_CHECKING:
+    import torch
+
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+
+
+class CudaBackend:
+    name = "cuda"
+    visible_devices_env = VISIBLE_DEVICES_ENV
+    distributed_backend = "nccl"
+
+    def availability(self) -> Availability:
+        try:
+            import torch
+        except ImportError:
+            return Availability(False, "torch is not installed")
+        if torch.version.cuda is None:
+            return Availability(False, f"torch was built without CUDA (torch {torch.__version__})")
+        if torch.cuda.device_count() == 0:
+            restriction = os.environ.get(VISIBLE_DEVICES_ENV)
+            detail = f" ({VISIBLE_DEVICES_ENV}={restriction!r})" if restriction is not None else ""
+            return Availability(False, f"no CUDA device visible{detail}")
+        return Availability(True)
+
+    def devices(self) -> list[DeviceInfo]:
+        torch = self._require_torch_cuda()
+        devices = []
+        for index in range(torch.cuda.device_count()):
+            properties = torch.cuda.get_device_properties(index)
+            devices.append(
+                DeviceInfo(index=index, kind=properties.name, memory_bytes=properties.total_memory)
+            )
+        return devices
+
+    def worker_env(self, device_indices: list[int]) -> dict[str, str]:
+        """Only `CUDA_VISIBLE_DEVICES`. Needs no GPU here: the control plane may compute it anywhere."""
+        return {VISIBLE_DEVICES_ENV: restrict_visible_devices(VISIBLE_DEVICES_ENV, device_indices)}
+
+    def torch_device(self, local_index: int) -> torch.device:
+        import torch
+
+        if local_index < 0:
+            raise ValueError(f"local_index must be >= 0, got {local_index}")
+        return torch.device("cuda", local_index)
+
+    def hardware_profile(self) -> HardwareProfile:
+        """The datasheet profile of GPU 0 (hosts are homogeneous). Raises RuntimeError for a GPU
+        without a profile rather than guessing figures the planner would trust."""
+        product = self.devices()[0].kind
+        profile = profile_for(product)
+        if profile is None:
+            known = ", ".join(p.name for p in KNOWN_PROFILES)
+            raise RuntimeError(
+                f"no hardware profile for {product!r} (known: {known}); add one to libra/backends/profiles.py"
+            )
+        return profile
+
+    def prepare_worker(self) -> None:
+        """Makes GPU `LOCAL_RANK` (torchrun's variable) the current device when it is set;
+        otherwise the worker keeps torch's default, its first visible GPU."""
+        torch = self._require_torch_cuda()
+        local_rank = os.environ.get("LOCAL_RANK")
+        if local_rank is None:
+            return
+        count = torch.cuda.device_count()
+        if not 0 <= int(local_rank) < count:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this process sees {count} GPU(s) "
+                f"({VISIBLE_DEVICES_ENV}={os.environ.get(VISIBLE_DEVICES_ENV)!r})"
+            )
+        torch.cuda.set_device(int(local_rank))
+
+    def _require_torch_cuda(self) -> ModuleType:
+        availability = self.availability()
+        if not availability.available:
+            raise RuntimeError(f"cuda backend unavailable: {availability.reason}")
+        import torch
+
+        return torch

@@ -1,0 +1,52 @@
+"""Helpers for backends whose devices a process sees through a visible-devices variable
+(`CUDA_VISIBLE_DEVICES`, `ASCEND_RT_VISIBLE_DEVICES`, the cpu backend's `LIBRA_VISIBLE_DEVICES`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+
+def check_device_indices(device_indices: list[int], num_devices: int | None = None) -> None:
+    """Raises ValueError unless the indices are non-empty, distinct, >= 0 and, when `num_devices`
+    is given, below it."""
+    if not device_indices:
+        raise ValueError("device_indices must not be empty")
+    if len(set(device_indices)) != len(device_indices):
+        raise ValueError(f"device_indices has duplicates: {device_indices}")
+    negative = [i for i in device_indices if i < 0]
+    if negative:
+        raise ValueError(f"device_indices must be >= 0, got {negative}")
+    if num_devices is not None:
+        out_of_range = [i for i in device_indices if i >= num_devices]
+        if out_of_range:
+            raise ValueError(
+                f"device_indices {out_of_range} out of range: this host has devices 0..{num_devices - 1}"
+            )
+
+
+def restrict_visible_devices(
+    variable: str, device_indices: list[int], environ: Mapping[str, str] | None = None
+) -> str:
+    """The value of `variable` for a child process that should see exactly `device_indices` of the
+    devices this process sees, in that order.
+
+    Device indices are positions in this process's view, the numbering torch uses here. When this
+    process is itself restricted (`variable` set, e.g. by Slurm or a container runtime), position
+    `i` is the i-th entry of that list, which may be an id, a UUID or a MIG id, and the child gets
+    those entries; the driver reads the child's variable against the whole host, not the parent's
+    view. Unrestricted, positions are the host's device ids.
+    """
+    environ = os.environ if environ is None else environ
+    check_device_indices(device_indices)
+    inherited = environ.get(variable)
+    if inherited is None:
+        return ",".join(str(i) for i in device_indices)
+    entries = [entry.strip() for entry in inherited.split(",") if entry.strip()]
+    out_of_range = [i for i in device_indices if i >= len(entries)]
+    if out_of_range:
+        raise ValueError(
+            f"device_indices {out_of_range} out of range: this process sees {len(entries)} devices "
+            f"({variable}={inherited!r})"
+        )
+    return ",".join(entries[i] for i in device_indices)
