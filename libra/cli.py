@@ -99,6 +99,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from libra.planner import NoFeasiblePlan, load_problem, search
+
+    problem = load_problem(args.planner_config)
+    try:
+        plan = search(problem)
+    except NoFeasiblePlan as e:
+        raise ValueError(f"no feasible plan: {e}") from e
+    print(plan.describe())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="libra", description="Agentic RL post-training runtime.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -121,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", help="file holding the run's bearer token")
     p.add_argument("--watch", action="store_true", help="keep printing events as they happen")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("plan", help="print the planner's plan and predicted times for a cluster description")
+    p.add_argument("planner_config", metavar="CONFIG", help="Python file defining planning_problem()")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libra.planner.config import PlannerConfig
+
 
 @dataclass
 class ControlConfig:
@@ -72,6 +74,7 @@ class LibraConfig:
     """Where the run writes its token, logs, checkpoints and report."""
     control: ControlConfig = field(default_factory=ControlConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> LibraConfig:

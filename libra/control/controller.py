@@ -21,7 +21,10 @@ from libra.control.auth import open_channel, resolve_token
 from libra.control.cluster import Cluster
 from libra.control.events import EventBus
 from libra.control.server import RunningServer, rpc_errors, start_server
-from libra.control.types import AgentState
+from libra.control.types import AgentState, EventKind
+from libra.planner.config import PlanningProblem
+from libra.planner.planner import Planner, PlannerEvent
+from libra.planner.service import add_planner_service
 from libra.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, controller_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -153,14 +156,29 @@ class AgentClients:
             ) from None
 
 
-class Controller:
-    """Runs the controller's gRPC server and its liveness monitor until `stop()`."""
+_EVENT_OF_PLANNER_EVENT = {
+    "applied": EventKind.PLAN_APPLIED,
+    "proposed": EventKind.PLAN_PROPOSED,
+    "rejected": EventKind.PLAN_REJECTED,
+    "vetoed": EventKind.PLAN_VETOED,
+}
 
-    def __init__(self, config: LibraConfig, token: str | None = None):
+
+class Controller:
+    """Runs the controller's gRPC server and its liveness monitor until `stop()`. With a planning
+    problem it also owns the global planner, serves `PlannerService` and publishes plan events."""
+
+    def __init__(
+        self, config: LibraConfig, token: str | None = None, planning_problem: PlanningProblem | None = None
+    ):
         self.config = config
         self.token = token or resolve_token(config.control, Path(config.run_dir), create=True)
         self.events = EventBus()
         self.cluster = Cluster(config.control.heartbeat_interval_s, self.events)
+        self._planning_problem = planning_problem
+        self.planner = (
+            Planner(planning_problem, on_event=self._publish_planner_event) if planning_problem else None
+        )
         self._stopping = threading.Event()
         self._agents = AgentClients(self.token, config)
         self._server: RunningServer | None = None
@@ -184,12 +202,21 @@ class Controller:
                 ClusterApiServicer(self.cluster, self._agents, self._stopping), server
             )
             services = controller_pb2.DESCRIPTOR.services_by_name
-            return [services["AgentRegistry"].full_name, services["ClusterApi"].full_name]
+            names = [services["AgentRegistry"].full_name, services["ClusterApi"].full_name]
+            if self.planner is not None:
+                devices_per_node = self._planning_problem.cluster.devices_per_node
+                names += add_planner_service(self.planner, devices_per_node)(server)
+            return names
 
         self._server = start_server(self.config.control, self.token, add_servicers)
         self._monitor.start()
         logger.info("controller listening on %s", self.address)
         return self
+
+    def _publish_planner_event(self, event: PlannerEvent) -> None:
+        self.events.publish(
+            _EVENT_OF_PLANNER_EVENT[event.kind], plan_version=event.version, message=event.message
+        )
 
     def _watch_liveness(self) -> None:
         # Checking at a third of the interval detects a silent agent within 3⅓ intervals at most.

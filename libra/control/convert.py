@@ -148,6 +148,7 @@ def event_to_proto(event: Event) -> common_pb2.Event:
         worker_id=event.worker_id,
         exit_code=event.exit_code,
         message=event.message,
+        plan_version=event.plan_version,
     )
 
 
@@ -160,6 +161,7 @@ def event_from_proto(msg: common_pb2.Event) -> Event:
         worker_id=msg.worker_id,
         exit_code=msg.exit_code,
         message=msg.message,
+        plan_version=msg.plan_version,
     )
 
 

@@ -33,14 +33,24 @@ class EventBus:
         return event
 
     def watch(
-        self, after_sequence: int, kinds: frozenset[EventKind], is_active, poll_s: float = 0.25
+        self,
+        after_sequence: int,
+        kinds: frozenset[EventKind],
+        is_active,
+        only_new: bool = False,
+        poll_s: float = 0.25,
     ) -> Iterator[Event]:
-        """Events with sequence > `after_sequence` (0: only new ones) of the given kinds (empty:
-        all), until `is_active()` turns false (the client went away or the server stops)."""
+        """The retained events with sequence > `after_sequence` (none with `only_new`), then new
+        ones, of the given kinds (empty: all), until `is_active()` turns false (the client went
+        away or the server stops). The subscription starts at this call, not at the first
+        `next()`, so nothing published in between is missed; iterate what it returns."""
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
-            backlog = [e for e in self._history if after_sequence and e.sequence > after_sequence]
+            backlog = [] if only_new else [e for e in self._history if e.sequence > after_sequence]
             self._subscribers.add(inbox)
+        return self._follow(inbox, backlog, after_sequence, kinds, is_active, poll_s)
+
+    def _follow(self, inbox, backlog, after_sequence, kinds, is_active, poll_s) -> Iterator[Event]:
         try:
             for event in backlog:
                 if not kinds or event.kind in kinds:

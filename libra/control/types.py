@@ -43,6 +43,9 @@ class EventKind(enum.IntEnum):
     WORKER_STOPPED = 6
     WORKER_LOST = 7
     PLAN_APPLIED = 8
+    PLAN_PROPOSED = 9
+    PLAN_REJECTED = 10
+    PLAN_VETOED = 11
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Event:
     worker_id: str = ""
     exit_code: int = 0
     message: str = ""
+    plan_version: int = 0
 
 
 @dataclass

@@ -108,3 +108,9 @@ def test_watch_resumes_after_a_sequence_and_filters_kinds():
     assert next(stream).sequence == live.sequence
     active.clear()
     assert list(stream) == []
+    active.set()
+    everything = bus.watch(after_sequence=0, kinds=frozenset(), is_active=active.is_set)
+    assert [next(everything).sequence for _ in range(7)] == [1, 2, 3, 4, 5, 6, 7]
+    fresh = bus.watch(after_sequence=0, kinds=frozenset(), is_active=active.is_set, only_new=True)
+    bus.publish(EventKind.AGENT_LEFT)
+    assert next(fresh).sequence == 8

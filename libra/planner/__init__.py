@@ -1,0 +1,49 @@
+"""The global resource planner: how many devices train and how many roll out, with which
+parallelism on each side.
+
+Owns the cost models (rollout: KV capacity, bandwidth-bound decode, prefill, per-bucket makespan;
+training: per-layer compute, TP/PP/DP communication, 1F1B, memory), their least-squares
+calibration, the exact two-level search, re-plan triggers and the apply rule, plan diffs as typed
+actions for node agents, and the PlannerService gRPC servicer. Pure: no devices, no processes.
+"""
+
+from libra.planner.config import (
+    ClusterSpec,
+    ModelArch,
+    PlannerConfig,
+    PlanningProblem,
+    RequestRecord,
+    SearchConfig,
+    TrainingBatch,
+    TriggerPolicy,
+    load_problem,
+)
+from libra.planner.cost_model import EfficiencyFactors, TimeBreakdown
+from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacement
+from libra.planner.planner import Adoption, Planner, PlannerEvent
+from libra.planner.search import NoFeasiblePlan, search
+from libra.planner.training_cost import TrainingConfig
+
+__all__ = [
+    "Adoption",
+    "BucketPlan",
+    "ClusterSpec",
+    "EfficiencyFactors",
+    "ModelArch",
+    "NoFeasiblePlan",
+    "Plan",
+    "Planner",
+    "PlannerConfig",
+    "PlannerEvent",
+    "PlanningProblem",
+    "RequestRecord",
+    "RolloutInstance",
+    "SearchConfig",
+    "TimeBreakdown",
+    "TrainingBatch",
+    "TrainingConfig",
+    "TrainingPlacement",
+    "TriggerPolicy",
+    "load_problem",
+    "search",
+]

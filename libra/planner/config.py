@@ -1,0 +1,350 @@
+"""Typed inputs of the planner: the cluster, the model, the training batch, the workload history,
+and the knobs of the search and of the re-plan triggers.
+
+`PlannerConfig` is the section the lead adds to `LibraConfig` (`planner: PlannerConfig`).
+`PlanningProblem` bundles everything one search needs; a Python file defining
+`planning_problem() -> PlanningProblem` describes a cluster for `libra plan CONFIG`
+(see `configs/planner_qwen3_14b_48xa800.py`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libra.backends.base import HardwareProfile
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The decoder-only transformer being trained and served (dense, GQA, gated MLP)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    head_dim: int = 0
+    """0: hidden_size / num_attention_heads."""
+    num_params: int = 0
+    """0: counted from the shapes (attention, gated MLP, untied embedding and output layer)."""
+    bytes_per_param: int = 2
+    """Weights and KV cache dtype in bytes (bf16: 2)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "bytes_per_param",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_kv_heads ({self.num_kv_heads}) must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    "model.head_dim must be set when num_attention_heads does not divide hidden_size"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim < 1:
+            raise ValueError(f"model.head_dim must be >= 1, got {self.head_dim}")
+        if self.num_params == 0:
+            object.__setattr__(
+                self,
+                "num_params",
+                self.params_per_layer * self.num_layers + 2 * self.vocab_size * self.hidden_size,
+            )
+        if self.num_params < 1:
+            raise ValueError(f"model.num_params must be >= 1, got {self.num_params}")
+
+    @property
+    def query_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one layer: Q, K, V and output projections plus the gated MLP (norms ignored)."""
+        attention = self.hidden_size * (2 * self.query_dim + 2 * self.kv_dim)
+        return attention + 3 * self.hidden_size * self.ffn_hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Identical nodes of identical devices, numbered node-major: device d lives on node
+    d // devices_per_node. The profile's own `devices_per_node` is ignored in favour of this one."""
+
+    num_nodes: int
+    devices_per_node: int
+    profile: HardwareProfile
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1:
+            raise ValueError(f"cluster.num_nodes must be >= 1, got {self.num_nodes}")
+        if not _is_power_of_two(self.devices_per_node):
+            raise ValueError(f"cluster.devices_per_node must be a power of two, got {self.devices_per_node}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished trajectory of the recent history, as rollout saw it."""
+
+    prompt_tokens: int
+    """Tokens prefilled over the whole trajectory: the prompt plus every tool return."""
+    output_tokens: int
+    """Tokens decoded over all turns."""
+    num_turns: int = 1
+    tool_time_s: float = 0.0
+    """Wall time spent waiting for tools; the trajectory's own latency includes it, the
+    instance's busy time does not (other trajectories decode meanwhile)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0 or self.output_tokens < 1:
+            raise ValueError(
+                f"request needs prompt_tokens >= 0 and output_tokens >= 1, "
+                f"got {self.prompt_tokens}, {self.output_tokens}"
+            )
+        if self.num_turns < 1 or self.tool_time_s < 0:
+            raise ValueError(
+                f"request needs num_turns >= 1 and tool_time_s >= 0, got {self.num_turns}, {self.tool_time_s}"
+            )
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class TrainingBatch:
+    """What one training step consumes."""
+
+    global_batch: int = 128
+    """Sequences (trajectories) per step: prompts x group_size."""
+    group_size: int = 8
+    """GRPO group size; a data-parallel rank must receive whole groups."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    distributed_optimizer: bool = True
+    """Optimizer state (fp32 master, Adam m and v) sharded over data-parallel ranks."""
+    activation_recompute: bool = False
+    """Full recompute: keep only layer inputs, run every forward twice."""
+    recompute_logprobs: bool = True
+    """One extra forward-only pass per step for the old policy's log-probs."""
+    max_staleness: int = 0
+    """The asynchronous loop's staleness bound: a trajectory may span max_staleness + 1 training
+    steps, so its own latency bounds the step time only divided by that (0: synchronous)."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.group_size < 1:
+            raise ValueError(
+                f"batch.global_batch and batch.group_size must be >= 1, "
+                f"got {self.global_batch}, {self.group_size}"
+            )
+        if self.global_batch % self.group_size:
+            raise ValueError(
+                f"batch.group_size ({self.group_size}) must divide batch.global_batch ({self.global_batch})"
+            )
+        if self.max_staleness < 0:
+            raise ValueError(f"batch.max_staleness must be >= 0, got {self.max_staleness}")
+        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
+            raise ValueError(
+                f"batch.micro_batch_sizes must be non-empty positive, got {self.micro_batch_sizes}"
+            )
+        object.__setattr__(self, "micro_batch_sizes", tuple(sorted(set(self.micro_batch_sizes))))
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """The space the planner searches and its constraints (see `libra.planner.search`)."""
+
+    rollout_tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Allowed TP sizes of rollout instances (powers of two; those above devices_per_node are dropped)."""
+    train_tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    train_pp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    split_granularity: int = 0
+    """Training takes a multiple of this many devices; 0: whole nodes. Below a node it must be a
+    power of two that every rollout TP size divides, so that rollout instances stay aligned."""
+    min_train_devices: int = 1
+    min_rollout_devices: int = 1
+    relative_tolerance: float = 1e-9
+    """The search's result is within this relative distance of the optimum (bisection stop)."""
+    threshold_candidates: int = 64
+    """Most cut points (incl. both ends) the bucket thresholds are chosen among: the cuts between
+    distinct output lengths of the history, thinned to quantiles when there are more."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_tp_sizes", "train_tp_sizes", "train_pp_sizes"):
+            sizes = tuple(sorted(set(getattr(self, name))))
+            if not sizes or not all(_is_power_of_two(s) for s in sizes):
+                raise ValueError(
+                    f"planner.search.{name} must be non-empty powers of two, got {getattr(self, name)}"
+                )
+            object.__setattr__(self, name, sizes)
+        if self.split_granularity < 0:
+            raise ValueError(f"planner.search.split_granularity must be >= 0, got {self.split_granularity}")
+        if self.min_train_devices < 1 or self.min_rollout_devices < 1:
+            raise ValueError("planner.search.min_train_devices and min_rollout_devices must be >= 1")
+        if self.threshold_candidates < 3:
+            raise ValueError(
+                f"planner.search.threshold_candidates must be >= 3, got {self.threshold_candidates}"
+            )
+        if not 0 < self.relative_tolerance < 1e-2:
+            raise ValueError(
+                f"planner.search.relative_tolerance must be in (0, 0.01), got {self.relative_tolerance}"
+            )
+
+    def granularity(self, cluster: ClusterSpec) -> int:
+        """The effective split granularity on `cluster`; ValueError when it cannot keep rollout
+        instances aligned."""
+        g = self.split_granularity or cluster.devices_per_node
+        dpn = cluster.devices_per_node
+        if g % dpn and not (_is_power_of_two(g) and dpn % g == 0):
+            raise ValueError(
+                f"planner.search.split_granularity ({g}) must divide or be a multiple of "
+                f"devices_per_node ({dpn})"
+            )
+        if g < dpn:
+            too_big = [k for k in self.rollout_tp_sizes if k <= dpn and g % k]
+            if too_big:
+                raise ValueError(
+                    f"planner.search.split_granularity ({g}) below a node must be a multiple "
+                    f"of every rollout "
+                    f"TP size; {too_big} are not (raise the granularity or drop them from rollout_tp_sizes)"
+                )
+        return g
+
+
+@dataclass(frozen=True)
+class TriggerPolicy:
+    """When to re-plan and when to apply a candidate plan (`libra.planner.triggers`).
+    Defaults are the original's (`reference/libra-notes.md` §3.4), plus hysteresis."""
+
+    plan_interval: int = 10
+    """Steps between periodic re-plans; 0 disables the periodic trigger."""
+    warmup_steps: int = 1
+    cooldown_steps: int = 1
+    """Steps after a re-plan during which no trigger fires."""
+    min_history: int = 8
+    max_history: int = 4096
+    queue_pressure: float = 0.75
+    active_pressure: float = 0.85
+    rejected_growth: int = 8
+    """Early re-plan once this many more rollouts were rejected since the last plan."""
+    rollout_train_ratio: float = 1.25
+    """Early re-plan when T_rollout / T_train (or its inverse) reaches this."""
+    hysteresis: float = 0.1
+    """A pressure trigger re-arms only after its signal fell this far below its threshold."""
+    min_gain_ratio: float = 0.05
+    reconfiguration_cost_s: float = 15.0
+    """Prior of the cost of applying a plan; replaced by the measured mean once one is recorded."""
+    amortization_steps: int = 0
+    """Steps the gain is counted over against the one-off cost; 0: plan_interval (or 1)."""
+    cut_inflight: bool = False
+    """Stopping a rollout instance cuts its in-flight trajectories (they resume elsewhere from
+    their kept tokens) instead of draining them first."""
+    auto_apply: bool = True
+    """False: candidates wait for an external controller (`ProposePlan`)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "plan_interval",
+            "warmup_steps",
+            "cooldown_steps",
+            "min_history",
+            "rejected_growth",
+            "amortization_steps",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"planner.policy.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_history < max(1, self.min_history):
+            raise ValueError(f"planner.policy.max_history must be >= min_history, got {self.max_history}")
+        for name in ("queue_pressure", "active_pressure"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"planner.policy.{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.rollout_train_ratio <= 1:
+            raise ValueError(
+                f"planner.policy.rollout_train_ratio must be > 1, got {self.rollout_train_ratio}"
+            )
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"planner.policy.hysteresis must be in [0, 1), got {self.hysteresis}")
+        if self.min_gain_ratio < 0 or self.reconfiguration_cost_s < 0:
+            raise ValueError("planner.policy.min_gain_ratio and reconfiguration_cost_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The `planner` section of a run's config."""
+
+    search: SearchConfig = field(default_factory=SearchConfig)
+    policy: TriggerPolicy = field(default_factory=TriggerPolicy)
+    kv_fragmentation: float = 0.04
+    memory_utilization: float = 0.9
+    """Share of device memory an engine may use (vLLM's gpu_memory_utilization; training's cap)."""
+    max_decode_batch: int = 256
+    activation_workspace_bytes: int = 2 * 2**30
+    """Rollout: memory kept free per device for activations and the sampler."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kv_fragmentation < 1:
+            raise ValueError(f"planner.kv_fragmentation must be in [0, 1), got {self.kv_fragmentation}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"planner.memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.max_decode_batch < 1 or self.activation_workspace_bytes < 0:
+            raise ValueError("planner.max_decode_batch must be >= 1 and activation_workspace_bytes >= 0")
+
+
+@dataclass(frozen=True)
+class PlanningProblem:
+    """Everything one search needs."""
+
+    cluster: ClusterSpec
+    model: ModelArch
+    batch: TrainingBatch
+    history: tuple[RequestRecord, ...]
+    config: PlannerConfig = field(default_factory=PlannerConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "history", tuple(self.history))
+        if not self.history:
+            raise ValueError("history must hold at least one request (seed it from a preflight sample)")
+
+
+def load_problem(path: str | Path) -> PlanningProblem:
+    """Runs `planning_problem()` from a Python file (what `libra plan CONFIG` reads)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no planner config file at {path}")
+    spec = importlib.util.spec_from_file_location(f"_libra_planner_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    build = getattr(module, "planning_problem", None)
+    if build is None:
+        raise ValueError(f"{path} must define planning_problem() -> PlanningProblem")
+    problem = build()
+    if not isinstance(problem, PlanningProblem):
+        raise ValueError(f"{path}: planning_problem() returned {type(problem).__name__}, not PlanningProblem")
+    return problem

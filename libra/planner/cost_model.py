@@ -1,0 +1,82 @@
+"""What every cost model returns: times split into ideal components, and the efficiency factors
+that turn them into predictions.
+
+A prediction is linear in the inverse efficiencies:
+
+    time = compute_s / compute + memory_s / memory + communication_s / communication + overhead_s
+
+where `compute_s` is the time at the device's peak FLOP/s, `memory_s` at its peak memory
+bandwidth and `communication_s` at its peak link bandwidth. This is what makes calibration a
+linear least-squares problem (`libra.planner.calibration`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class EfficiencyFactors:
+    """Achieved share of each peak (in (0, 1] on real hardware) and a fixed per-step overhead."""
+
+    compute: float = 0.5
+    memory: float = 0.85
+    communication: float = 0.7
+    overhead_s: float = 0.0
+    """Framework time per step (kernel launches, Python, scheduling)."""
+
+    def __post_init__(self) -> None:
+        for name in ("compute", "memory", "communication"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"efficiency {name} must be > 0, got {getattr(self, name)}")
+        if self.overhead_s < 0:
+            raise ValueError(f"efficiency overhead_s must be >= 0, got {self.overhead_s}")
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Ideal (peak-rate) time components of one operation, in seconds."""
+
+    compute_s: float = 0.0
+    memory_s: float = 0.0
+    communication_s: float = 0.0
+    overhead_steps: float = 0.0
+    """How many times the per-step overhead is paid."""
+
+    def __add__(self, other: TimeBreakdown) -> TimeBreakdown:
+        return TimeBreakdown(
+            self.compute_s + other.compute_s,
+            self.memory_s + other.memory_s,
+            self.communication_s + other.communication_s,
+            self.overhead_steps + other.overhead_steps,
+        )
+
+    def scaled(self, factor: float) -> TimeBreakdown:
+        return TimeBreakdown(
+            self.compute_s * factor,
+            self.memory_s * factor,
+            self.communication_s * factor,
+            self.overhead_steps * factor,
+        )
+
+    def features(self) -> np.ndarray:
+        """The row of the calibration design matrix: coefficients of (1/compute, 1/memory,
+        1/communication, overhead_s)."""
+        return np.array([self.compute_s, self.memory_s, self.communication_s, self.overhead_steps])
+
+    def seconds(self, eff: EfficiencyFactors) -> float:
+        return (
+            self.compute_s / eff.compute
+            + self.memory_s / eff.memory
+            + self.communication_s / eff.communication
+            + self.overhead_steps * eff.overhead_s
+        )
+
+
+def ring_allreduce_s(num_bytes: float, group: int, bandwidth: float) -> float:
+    """Ideal ring all-reduce time: each member sends and receives 2 (g-1)/g of the buffer."""
+    if group <= 1:
+        return 0.0
+    return 2.0 * (group - 1) / group * num_bytes / bandwidth

@@ -1,0 +1,153 @@
+"""The planner as the controller holds it: the current plan, a pending candidate, the policy, the
+triggers, and the events it emits. Pure and thread-safe; `service.py` puts gRPC in front of it.
+
+The controller calls `observe(step)` after every training step (with a fresh history when it
+has one); on a trigger it searches, and either applies the candidate (auto_apply and the apply
+rule agree) or leaves it pending for an external controller (`propose` / `accept_candidate` /
+`veto_candidate`). Every adoption returns the actions that move the cluster to the new plan and
+emits a `PlannerEvent`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from libra.planner.config import PlanningProblem, RequestRecord, TriggerPolicy
+from libra.planner.cost_model import EfficiencyFactors
+from libra.planner.diff import Action, diff_plans
+from libra.planner.evaluate import evaluate_plan
+from libra.planner.plan import Plan
+from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS, search
+from libra.planner.triggers import (
+    ApplyDecision,
+    ReconfigurationCosts,
+    ReplanTrigger,
+    StepObservation,
+    TriggerReason,
+    decide_apply,
+)
+
+
+@dataclass(frozen=True)
+class PlannerEvent:
+    kind: str
+    """`applied`, `proposed` (a candidate awaits a decision), `rejected` (apply rule said no), `vetoed`."""
+    version: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Adoption:
+    plan: Plan
+    version: int
+    actions: tuple[Action, ...]
+
+
+class Planner:
+    def __init__(
+        self,
+        problem: PlanningProblem,
+        train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS,
+        rollout_factors: EfficiencyFactors = DEFAULT_ROLLOUT_FACTORS,
+        on_event: Callable[[PlannerEvent], None] | None = None,
+    ):
+        self._lock = threading.Lock()
+        self._problem = problem
+        self._factors = (train_factors, rollout_factors)
+        self._on_event = on_event or (lambda event: None)
+        self._trigger = ReplanTrigger(problem.config.policy)
+        self._costs = ReconfigurationCosts()
+        self.current: Plan | None = None
+        self.version = 0
+        self.candidate: Plan | None = None
+
+    @property
+    def policy(self) -> TriggerPolicy:
+        return self._problem.config.policy
+
+    def set_policy(self, policy: TriggerPolicy) -> None:
+        with self._lock:
+            config = dataclasses.replace(self._problem.config, policy=policy)
+            self._problem = dataclasses.replace(self._problem, config=config)
+            self._trigger.policy = policy
+
+    def update_history(self, history: tuple[RequestRecord, ...]) -> None:
+        """Replaces the workload history (the newest `max_history` records are kept)."""
+        with self._lock:
+            kept = tuple(history)[-self.policy.max_history :]
+            self._problem = dataclasses.replace(self._problem, history=kept)
+
+    def record_reconfiguration(self, seconds: float) -> None:
+        """The measured time an applied plan took; the apply rule uses the mean from now on."""
+        self._costs.record(seconds)
+
+    def initial_plan(self) -> Adoption:
+        """Chooses the split before launch."""
+        with self._lock:
+            plan = search(self._problem, *self._factors)
+            return self._adopt(plan, "initial plan")
+
+    def observe(self, obs: StepObservation) -> Adoption | None:
+        """Feeds one step's measurements; returns the adoption when a re-plan was applied."""
+        with self._lock:
+            obs = dataclasses.replace(obs, history_size=max(obs.history_size, len(self._problem.history)))
+            reason = self._trigger.observe(obs)
+            if reason is TriggerReason.NONE:
+                return None
+            return self._replan(reason, current_step_s=max(obs.train_s, obs.rollout_s))
+
+    def _replan(self, reason: TriggerReason, current_step_s: float) -> Adoption | None:
+        candidate = search(self._problem, *self._factors)
+        if self.current is None:
+            return self._adopt(candidate, f"initial plan ({reason.value})")
+        decision = decide_apply(
+            current_step_s, candidate.predicted_step_s, self._costs.estimate(self.policy), self.policy
+        )
+        if not decision.apply:
+            self._emit("rejected", f"{reason.value}: {decision.reason}")
+            return None
+        if not self.policy.auto_apply:
+            self.candidate = candidate
+            self._emit("proposed", f"{reason.value}: {_describe(decision)}; awaiting ProposePlan")
+            return None
+        return self._adopt(candidate, f"{reason.value}: {_describe(decision)}")
+
+    def propose(self, plan: Plan, reason: str = "") -> Adoption:
+        """Adopts an externally supplied plan after validating and re-pricing it (ValueError if invalid)."""
+        with self._lock:
+            priced = evaluate_plan(self._problem, plan, *self._factors)
+            self.candidate = None
+            return self._adopt(priced, f"external plan{': ' + reason if reason else ''}")
+
+    def accept_candidate(self, reason: str = "") -> Adoption:
+        with self._lock:
+            if self.candidate is None:
+                raise RuntimeError("no candidate plan is pending")
+            candidate, self.candidate = self.candidate, None
+            return self._adopt(candidate, f"candidate accepted{': ' + reason if reason else ''}")
+
+    def veto_candidate(self, reason: str = "") -> None:
+        with self._lock:
+            if self.candidate is None:
+                raise RuntimeError("no candidate plan is pending")
+            self.candidate = None
+            self._emit("vetoed", reason or "candidate vetoed")
+
+    def _adopt(self, plan: Plan, why: str) -> Adoption:
+        plan, actions = diff_plans(self.current, plan, cut_inflight=self.policy.cut_inflight)
+        self.current = plan
+        self.version += 1
+        self._emit(
+            "applied", f"v{self.version}: {why}; step {plan.predicted_step_s:.3f} s, {len(actions)} actions"
+        )
+        return Adoption(plan, self.version, tuple(actions))
+
+    def _emit(self, kind: str, message: str) -> None:
+        self._on_event(PlannerEvent(kind, self.version, message))
+
+
+def _describe(decision: ApplyDecision) -> str:
+    return f"gain {decision.gain_per_step_s:.3f} s/step ({decision.relative_gain:.1%}), {decision.reason}"

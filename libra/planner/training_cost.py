@@ -1,0 +1,147 @@
+"""Training cost model: one GRPO step of Megatron-core with TP x PP x DP and 1F1B.
+
+For a micro-batch of mb sequences (lengths drawn from the recent history, so the attention term
+uses E[s^2], not E[s]^2) on one pipeline stage of L/pp layers:
+- forward FLOPs = mb * (L/pp) * (2 s P_layer + 2 s^2 query_dim), plus the output layer on the
+  last stage (2 s d V); backward = 2x forward; full activation recompute adds one forward;
+- TP: two all-reduces of the activations per layer forward and two backward (ring, intra-node);
+- PP: one activation send forward and one gradient send backward per micro-batch and stage;
+- 1F1B: (n_micro + pp - 1) slots of (forward + backward) of the slowest stage;
+- the old-policy log-prob recompute is one more forward-only pipeline pass;
+- DP: gradient reduce-scatter + parameter all-gather (distributed optimizer) or an all-reduce,
+  of which `DATA_PARALLEL_OVERLAP` hides behind the backward pass;
+- Adam step: memory bound, ~30 bytes touched per parameter of the rank's shard.
+
+Memory per device (Megatron mixed precision): bf16 weights (2 B/param), fp32 main grads (4),
+fp32 master + Adam m, v (12, divided by DP with the distributed optimizer), activations of
+min(pp, n_micro) in-flight micro-batches at the longest sequence (flash attention: no s^2 term),
+and fp32 logits + their gradient on the last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from libra.planner.config import ClusterSpec, ModelArch, PlannerConfig, RequestRecord, TrainingBatch
+from libra.planner.cost_model import EfficiencyFactors, TimeBreakdown, ring_allreduce_s
+
+DATA_PARALLEL_OVERLAP = 0.4
+"""Share of the gradient synchronisation hidden behind the backward pass (the original assumes 30-50%)."""
+ADAM_BYTES_PER_PARAM = 30
+
+
+@dataclass(frozen=True, order=True)
+class TrainingConfig:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def replica_size(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class SequenceStats:
+    mean: float
+    mean_square: float
+    max: int
+
+    @staticmethod
+    def of(history: tuple[RequestRecord, ...]) -> SequenceStats:
+        lengths = np.array([r.total_tokens for r in history], dtype=float)
+        return SequenceStats(float(lengths.mean()), float((lengths**2).mean()), int(lengths.max()))
+
+
+class TrainingCostModel:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        model: ModelArch,
+        batch: TrainingBatch,
+        config: PlannerConfig,
+        factors: EfficiencyFactors,
+    ):
+        self.cluster = cluster
+        self.model = model
+        self.batch = batch
+        self.config = config
+        self.factors = factors
+
+    def num_micro_batches(self, cfg: TrainingConfig) -> int:
+        return self.batch.global_batch // (cfg.dp * cfg.micro_batch)
+
+    def _links(self, cfg: TrainingConfig) -> tuple[float, float]:
+        """(pipeline link, data-parallel link) bandwidths: inter-node once the group leaves a node."""
+        profile = self.cluster.profile
+        dpn = self.cluster.devices_per_node
+        intra, inter = profile.intra_node_bandwidth_bytes_per_s, profile.inter_node_bandwidth_bytes_per_s
+        return (inter if cfg.replica_size > dpn else intra), (inter if cfg.num_devices > dpn else intra)
+
+    def step(self, cfg: TrainingConfig, seqs: SequenceStats) -> TimeBreakdown:
+        m, profile = self.model, self.cluster.profile
+        layers = m.num_layers / cfg.pp
+        mb = cfg.micro_batch
+        layer_flops = 2 * seqs.mean * m.params_per_layer + 2 * seqs.mean_square * m.query_dim
+        logits_flops = 2 * seqs.mean * m.hidden_size * m.vocab_size
+        forward_compute = mb * (layers * layer_flops + logits_flops) / (cfg.tp * profile.peak_bf16_flops)
+        backward_compute = forward_compute * (3 if self.batch.activation_recompute else 2)
+
+        pp_link, dp_link = self._links(cfg)
+        activation_bytes = mb * seqs.mean * m.hidden_size * m.bytes_per_param
+        tp_comm = (
+            2 * layers * ring_allreduce_s(activation_bytes, cfg.tp, profile.intra_node_bandwidth_bytes_per_s)
+        )
+        p2p = activation_bytes / pp_link if cfg.pp > 1 else 0.0
+
+        slots = self.num_micro_batches(cfg) + cfg.pp - 1
+        passes = 2 if self.batch.recompute_logprobs else 1  # forward passes: training + log-prob recompute
+        compute = slots * (forward_compute * passes + backward_compute)
+        comm = slots * ((tp_comm + p2p) * passes + tp_comm + p2p)
+
+        shard_params = m.num_params / cfg.replica_size
+        if self.batch.distributed_optimizer:
+            dp_bytes = (
+                4 * shard_params + 2 * shard_params
+            )  # reduce-scatter fp32 grads, all-gather bf16 params
+            dp_comm = (cfg.dp - 1) / cfg.dp * dp_bytes / dp_link
+            optimizer_params = shard_params / cfg.dp
+        else:
+            dp_comm = ring_allreduce_s(4 * shard_params, cfg.dp, dp_link)
+            optimizer_params = shard_params
+        comm += (1 - DATA_PARALLEL_OVERLAP) * dp_comm
+        memory = ADAM_BYTES_PER_PARAM * optimizer_params / profile.memory_bandwidth_bytes_per_s
+        return TimeBreakdown(compute_s=compute, memory_s=memory, communication_s=comm, overhead_steps=1.0)
+
+    def step_s(self, cfg: TrainingConfig, seqs: SequenceStats) -> float:
+        return self.step(cfg, seqs).seconds(self.factors)
+
+    def memory_bytes(self, cfg: TrainingConfig, seqs: SequenceStats) -> float:
+        """Peak bytes on the most loaded device (the first stage holds the most activations;
+        the last stage's logits are added too, a safe upper bound)."""
+        m = self.model
+        shard_params = m.num_params / cfg.replica_size
+        optimizer = 12 * shard_params / (cfg.dp if self.batch.distributed_optimizer else 1)
+        states = (m.bytes_per_param + 4) * shard_params + optimizer
+
+        s, mb, d = seqs.max, cfg.micro_batch, m.hidden_size
+        layers = m.num_layers / cfg.pp
+        per_layer = s * mb * d * (10 + 24 / cfg.tp)
+        if self.batch.activation_recompute:
+            per_micro_batch = layers * s * mb * d * m.bytes_per_param + per_layer
+        else:
+            per_micro_batch = layers * per_layer
+        in_flight = min(cfg.pp, max(1, self.num_micro_batches(cfg)))
+        logits = 2 * 4 * mb * s * m.vocab_size / cfg.tp
+        return states + in_flight * per_micro_batch + logits
+
+    def fits(self, cfg: TrainingConfig, seqs: SequenceStats) -> bool:
+        budget = self.cluster.profile.memory_capacity_bytes * self.config.memory_utilization
+        return self.memory_bytes(cfg, seqs) <= budget
