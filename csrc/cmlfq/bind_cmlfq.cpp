@@ -1,0 +1,100 @@
+// Python surface of the C-MLFQ core (libra/scheduler/cmlfq.py wraps it in typed dataclasses).
+// Every call releases the GIL around the core's work; results are converted after the GIL is back.
+#include <pybind11/stl.h>
+
+#include <string_view>
+#include <tuple>
+
+#include "cmlfq/scheduler.h"
+#include "native.h"
+
+namespace py = pybind11;
+
+namespace libra {
+namespace {
+
+using cmlfq::Decision;
+using cmlfq::Scheduler;
+using DecisionTuple = std::tuple<uint32_t, cmlfq::InstanceId, int, bool>;  // bucket, instance, reason, migrated
+
+DecisionTuple as_tuple(const Decision& d) { return {d.bucket, d.instance, static_cast<int>(d.reason), d.migrated}; }
+
+}  // namespace
+
+void bind_cmlfq(py::module_& m) {
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const cmlfq::UnknownId& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    }
+  });
+
+  m.def("cmlfq_reason_names", [] {
+    std::vector<std::string> names;
+    for (int r = 0; r < cmlfq::kNumReasons; ++r) names.emplace_back(cmlfq::reason_name(static_cast<cmlfq::Reason>(r)));
+    return names;
+  }, "Reason codes in the order of their integer values.");
+
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  py::class_<Scheduler>(m, "CmlfqScheduler", "The C-MLFQ core; arguments are validated by CmlfqConfig.")
+      .def(py::init([](std::vector<int64_t> thresholds, uint32_t max_queue_length, uint32_t p90_window,
+                       uint32_t rebuild_window, uint32_t rebuild_interval) {
+             return std::make_unique<Scheduler>(cmlfq::Config{std::move(thresholds), max_queue_length, p90_window,
+                                                              rebuild_window, rebuild_interval});
+           }),
+           py::arg("bucket_thresholds"), py::arg("max_queue_length"), py::arg("p90_window"),
+           py::arg("rebuild_window"), py::arg("rebuild_interval"))
+      .def("admit", [](Scheduler& s, const std::string& t, const std::string& prompt) { return as_tuple(s.admit(t, prompt)); },
+           release_gil())
+      .def("on_tool_return",
+           [](Scheduler& s, const std::string& t, uint64_t state, int64_t generated) {
+             return as_tuple(s.on_tool_return(t, state, generated));
+           },
+           release_gil())
+      .def("on_finish", &Scheduler::on_finish, release_gil())
+      .def("on_abort", &Scheduler::on_abort, release_gil())
+      .def("reroute", [](Scheduler& s, const std::string& t) { return as_tuple(s.reroute(t)); }, release_gil())
+      .def("add_instance", &Scheduler::add_instance, release_gil())
+      .def("remove_instance", &Scheduler::remove_instance, release_gil())
+      .def("set_instance_ready", &Scheduler::set_instance_ready, release_gil())
+      .def("instance_loads",
+           [](const Scheduler& s) {
+             std::vector<std::tuple<cmlfq::InstanceId, uint32_t, uint32_t, bool>> loads;
+             for (const auto& l : s.instance_loads()) loads.emplace_back(l.id, l.bucket, l.active, l.ready);
+             return loads;
+           },
+           release_gil(), "(id, bucket, active trajectories, ready) per instance, ascending id.")
+      .def("num_live", &Scheduler::num_live, release_gil())
+      .def("predict",
+           [](const Scheduler& s, const std::string& prompt, const std::vector<uint64_t>& path)
+               -> std::optional<std::tuple<bool, uint32_t, int64_t, int64_t, int32_t>> {
+             const auto p = s.predict(prompt, path);
+             if (!p) return std::nullopt;
+             return std::make_tuple(p->from_prompt_tree, p->depth, p->stats.count, p->stats.sum, p->stats.p90);
+           },
+           release_gil(), "(from prompt tree, depth, count, sum, p90) of the node routing would use, or None.")
+      .def("rebuild", &Scheduler::rebuild, release_gil())
+      .def("serialize",
+           [](const Scheduler& s) {
+             std::string bytes;
+             {
+               py::gil_scoped_release released;
+               bytes = s.serialize();
+             }
+             return py::bytes(bytes);
+           })
+      .def("restore",
+           [](Scheduler& s, const py::bytes& bytes) {
+             const std::string_view view = bytes;
+             py::gil_scoped_release released;
+             s.restore(view);
+           })
+      .def("merge", [](Scheduler& s, const py::bytes& bytes) {
+        const std::string_view view = bytes;
+        py::gil_scoped_release released;
+        s.merge(view);
+      });
+}
+
+}  // namespace libra

@@ -1,0 +1,58 @@
+// Shared vocabulary of the C-MLFQ core: ids, tool-return state keys, reason codes, decisions and
+// the configuration the Python facade hands down (already validated there).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace libra::cmlfq {
+
+using TrajectoryId = std::string;  // libra.trajectory.Trajectory.trajectory_id
+using InstanceId = int64_t;
+// A tool-return state packed by libra/scheduler/tool_state.py: a stable hash of the tool type, the
+// payload size class and the execution status. The core only compares keys for equality.
+using StateKey = uint64_t;
+
+constexpr InstanceId kNoInstance = -1;
+
+// Why a decision came out as it did. The order is part of the Python contract
+// (libra/scheduler/interface.py mirrors it; a test checks the two agree).
+enum class Reason : uint8_t {
+  kAdmitted,                 // new trajectory placed in the smallest bucket
+  kNoHistory,                // no tree has seen any trajectory yet: stay
+  kMeanP90Disagree,          // mean and P90 point to different buckets: stay
+  kStaySameBucket,           // mean and P90 agree on the current bucket
+  kMigrateUp,                // both agree on a larger bucket
+  kMigrateDown,              // both agree on a smaller bucket
+  kBucketSaturatedFallback,  // wanted bucket full: placed in the nearest bucket with room
+  kAnyInstanceFallback,      // every bucket full: least-loaded ready instance anywhere
+  kNoInstance,               // no ready instance at all: the trajectory waits unplaced
+  kRerouted,                 // placed again on request (after its instance was lost)
+};
+constexpr int kNumReasons = 10;
+const char* reason_name(Reason reason);
+
+struct Decision {
+  uint32_t bucket;
+  InstanceId instance;  // kNoInstance when reason is kNoInstance
+  Reason reason;
+  bool migrated;  // the next turn runs on another instance than the previous one
+};
+
+struct Config {
+  std::vector<int64_t> bucket_thresholds;  // max remaining tokens per bucket, strictly increasing
+  uint32_t max_queue_length;               // active trajectories per instance before it counts as full
+  uint32_t p90_window;                     // samples kept per tree node for the P90
+  uint32_t rebuild_window;                 // completed trajectories kept to rebuild the trees from
+  uint32_t rebuild_interval;               // completions between automatic rebuilds; 0 = manual only
+};
+
+// An id the core does not know (a finished trajectory, a removed instance). Python sees KeyError.
+class UnknownId : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
+
+}  // namespace libra::cmlfq

@@ -1,0 +1,91 @@
+#include "cmlfq/instance_table.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace libra::cmlfq {
+namespace {
+
+bool id_less(const InstanceLoad& load, InstanceId id) { return load.id < id; }
+
+}  // namespace
+
+InstanceTable::InstanceTable(uint32_t num_buckets, uint32_t max_queue_length)
+    : max_queue_length_(max_queue_length), by_bucket_(num_buckets) {}
+
+void InstanceTable::add(InstanceId id, uint32_t bucket, bool ready) {
+  if (id < 0) throw std::invalid_argument("instance ids must be non-negative");
+  if (bucket >= by_bucket_.size()) throw std::invalid_argument("no bucket " + std::to_string(bucket));
+  const auto it = std::lower_bound(instances_.begin(), instances_.end(), id, id_less);
+  if (it != instances_.end() && it->id == id) {
+    throw std::invalid_argument("instance " + std::to_string(id) + " already exists");
+  }
+  instances_.insert(it, InstanceLoad{id, bucket, 0, ready});
+  index_buckets();
+}
+
+void InstanceTable::remove(InstanceId id) {
+  instances_.erase(instances_.begin() + (&at(id) - instances_.data()));
+  index_buckets();
+}
+
+void InstanceTable::set_ready(InstanceId id, bool ready) { at(id).ready = ready; }
+
+bool InstanceTable::is_ready(InstanceId id) const { return id != kNoInstance && at(id).ready; }
+
+// Adding and removing instances is rare (the planner does it), so the bucket index is rebuilt whole.
+void InstanceTable::index_buckets() {
+  for (auto& indices : by_bucket_) indices.clear();
+  all_.clear();
+  for (uint32_t i = 0; i < instances_.size(); ++i) {
+    by_bucket_[instances_[i].bucket].push_back(i);
+    all_.push_back(i);
+  }
+}
+
+InstanceLoad& InstanceTable::at(InstanceId id) {
+  return const_cast<InstanceLoad&>(std::as_const(*this).at(id));
+}
+
+const InstanceLoad& InstanceTable::at(InstanceId id) const {
+  const auto it = std::lower_bound(instances_.begin(), instances_.end(), id, id_less);
+  if (it == instances_.end() || it->id != id) throw UnknownId("unknown instance " + std::to_string(id));
+  return *it;
+}
+
+uint32_t InstanceTable::least_loaded(const std::vector<uint32_t>& candidates, InstanceId previous,
+                                     bool capped) const {
+  uint32_t best = kNone;
+  for (const uint32_t i : candidates) {
+    const InstanceLoad& load = instances_[i];
+    if (!load.ready || (capped && load.active >= max_queue_length_)) continue;
+    if (best == kNone || load.active < instances_[best].active ||
+        (load.active == instances_[best].active && load.id == previous)) {
+      best = i;
+    }
+  }
+  return best;
+}
+
+Placement InstanceTable::place(uint32_t bucket, InstanceId previous) const {
+  if (const uint32_t i = least_loaded(by_bucket_[bucket], previous, true); i != kNone) {
+    return {bucket, instances_[i].id, std::nullopt};
+  }
+  const auto num_buckets = static_cast<int64_t>(by_bucket_.size());
+  for (int64_t distance = 1; distance < num_buckets; ++distance) {
+    for (const int64_t other : {bucket + distance, bucket - distance}) {
+      if (other < 0 || other >= num_buckets) continue;
+      if (const uint32_t i = least_loaded(by_bucket_[other], previous, true); i != kNone) {
+        return {static_cast<uint32_t>(other), instances_[i].id, Reason::kBucketSaturatedFallback};
+      }
+    }
+  }
+  if (const uint32_t i = least_loaded(all_, previous, false); i != kNone) {
+    return {instances_[i].bucket, instances_[i].id, Reason::kAnyInstanceFallback};
+  }
+  return {bucket, kNoInstance, Reason::kNoInstance};
+}
+
+}  // namespace libra::cmlfq

@@ -1,0 +1,61 @@
+// The rollout instances C-MLFQ places trajectories on: which bucket each belongs to, whether it is
+// ready, and how many live trajectories it serves (its load).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "cmlfq/cmlfq.h"
+
+namespace libra::cmlfq {
+
+struct InstanceLoad {
+  InstanceId id;
+  uint32_t bucket;
+  uint32_t active;
+  bool ready;
+};
+
+struct Placement {
+  uint32_t bucket;
+  InstanceId instance;             // kNoInstance when nothing is ready
+  std::optional<Reason> fallback;  // set when the placement is not in the wanted bucket's rules
+};
+
+class InstanceTable {
+ public:
+  InstanceTable(uint32_t num_buckets, uint32_t max_queue_length);
+
+  void add(InstanceId id, uint32_t bucket, bool ready);
+  void remove(InstanceId id);
+  void set_ready(InstanceId id, bool ready);
+  bool is_ready(InstanceId id) const;  // false for kNoInstance
+
+  // Where a trajectory that wants `bucket` goes: the least-loaded ready instance of that bucket
+  // with fewer than max_queue_length trajectories; else the same in the nearest other bucket
+  // (at equal distance the larger one: a long trajectory on too small a bucket costs more than
+  // the reverse); else the least-loaded ready instance anywhere, full or not. Ties go to
+  // `previous` (its prefix cache is warm), then to the lowest id.
+  Placement place(uint32_t bucket, InstanceId previous) const;
+
+  void acquire(InstanceId id) { at(id).active += 1; }
+  void release(InstanceId id) { at(id).active -= 1; }
+
+  const std::vector<InstanceLoad>& loads() const { return instances_; }
+
+ private:
+  static constexpr uint32_t kNone = UINT32_MAX;
+
+  InstanceLoad& at(InstanceId id);
+  const InstanceLoad& at(InstanceId id) const;
+  uint32_t least_loaded(const std::vector<uint32_t>& candidates, InstanceId previous, bool capped) const;
+  void index_buckets();
+
+  uint32_t max_queue_length_;
+  std::vector<InstanceLoad> instances_;             // sorted by id
+  std::vector<std::vector<uint32_t>> by_bucket_;    // indices into instances_, ascending id
+  std::vector<uint32_t> all_;                       // every index, ascending id
+};
+
+}  // namespace libra::cmlfq

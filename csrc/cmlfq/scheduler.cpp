@@ -1,0 +1,229 @@
+// C-MLFQ routing.
+//
+// The idea: a trajectory's remaining work is best predicted not from its length so far but from
+// what its tools have returned (a failing test, a timeout, a huge traceback are causes of more
+// turns). Every trajectory is admitted to the smallest bucket, as an MLFQ starts every job at top
+// priority. At each tool return we append the tool-return state to the trajectory's causal path,
+// find the deepest node of the prefix tree matching that path (the prompt's own tree once the
+// prompt has history, else the global tree) and map both the node's mean and its P90 remaining
+// tokens to buckets: the smallest bucket whose threshold is at least the value, the last bucket
+// above all thresholds. Only when the two agree, and differ from the current bucket, does the
+// trajectory move, up or down; disagreement means the node's history is too spread out to act on.
+// A trajectory that stays keeps its instance (and its prefix cache) while that instance is ready;
+// one that moves is placed by the instance table (least loaded, capped, with fallbacks).
+#include "cmlfq/scheduler.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+namespace libra::cmlfq {
+namespace {
+
+int32_t clamp_tokens(int64_t tokens) {
+  return static_cast<int32_t>(std::clamp<int64_t>(tokens, 0, std::numeric_limits<int32_t>::max()));
+}
+
+}  // namespace
+
+Scheduler::Scheduler(Config config)
+    : config_(std::move(config)),
+      model_(config_.p90_window, config_.rebuild_window),
+      instances_(static_cast<uint32_t>(config_.bucket_thresholds.size()), config_.max_queue_length) {}
+
+Scheduler::Trajectory& Scheduler::find(const TrajectoryId& trajectory) {
+  const auto it = live_.find(trajectory);
+  if (it == live_.end()) throw UnknownId("unknown trajectory " + trajectory);
+  return it->second;
+}
+
+Decision Scheduler::admit(const TrajectoryId& id, const std::string& prompt) {
+  std::lock_guard lock(mutex_);
+  if (live_.count(id) != 0) throw std::invalid_argument("trajectory " + id + " is already live");
+  Trajectory& trajectory = live_[id];
+  trajectory.prompt = model_.acquire_prompt(prompt);
+  // Room for a typical number of turns, so that tool returns do not allocate.
+  trajectory.path.reserve(16);
+  trajectory.generated_at_state.reserve(16);
+  trajectory.generation = model_.generation();
+  return move_to(trajectory, 0, Reason::kAdmitted);
+}
+
+Decision Scheduler::on_tool_return(const TrajectoryId& id, StateKey state, int64_t generated_tokens) {
+  std::lock_guard lock(mutex_);
+  Trajectory& trajectory = find(id);
+  trajectory.path.push_back(state);
+  trajectory.generated_at_state.push_back(clamp_tokens(generated_tokens));
+  const BucketChoice choice = choose_bucket(trajectory);
+  if (choice.bucket == trajectory.bucket && instances_.is_ready(trajectory.instance)) {
+    return {trajectory.bucket, trajectory.instance, choice.reason, false};
+  }
+  return move_to(trajectory, choice.bucket, choice.reason);
+}
+
+std::optional<Prediction> Scheduler::predict_from(const PrefixTree& prompt_tree, const PrefixTree& global_tree,
+                                                  const std::vector<StateKey>& path, Match& prompt_match,
+                                                  Match& global_match) {
+  if (!prompt_tree.empty()) {
+    prompt_tree.extend_match(path, prompt_match.node, prompt_match.depth);
+    return Prediction{true, prompt_match.depth, prompt_tree.stats(prompt_match.node)};
+  }
+  if (global_tree.empty()) return std::nullopt;
+  global_tree.extend_match(path, global_match.node, global_match.depth);
+  return Prediction{false, global_match.depth, global_tree.stats(global_match.node)};
+}
+
+Scheduler::BucketChoice Scheduler::choose_bucket(Trajectory& trajectory) {
+  if (trajectory.generation != model_.generation()) {
+    trajectory.generation = model_.generation();
+    trajectory.prompt_match = Match{};
+    trajectory.global_match = Match{};
+  }
+  const std::optional<Prediction> prediction =
+      predict_from(trajectory.prompt->second.tree, model_.global_tree(), trajectory.path,
+                   trajectory.prompt_match, trajectory.global_match);
+  if (!prediction) return {Reason::kNoHistory, trajectory.bucket};
+  const uint32_t by_mean = bucket_for_mean(prediction->stats);
+  if (by_mean != bucket_for_tokens(prediction->stats.p90)) return {Reason::kMeanP90Disagree, trajectory.bucket};
+  if (by_mean == trajectory.bucket) return {Reason::kStaySameBucket, by_mean};
+  return {by_mean > trajectory.bucket ? Reason::kMigrateUp : Reason::kMigrateDown, by_mean};
+}
+
+uint32_t Scheduler::bucket_for_tokens(int64_t tokens) const {
+  const auto& thresholds = config_.bucket_thresholds;
+  for (uint32_t b = 0; b < thresholds.size(); ++b) {
+    if (tokens <= thresholds[b]) return b;
+  }
+  return static_cast<uint32_t>(thresholds.size() - 1);
+}
+
+// mean <= threshold compared as sum <= threshold * count: exact, with no floating point rounding.
+uint32_t Scheduler::bucket_for_mean(const NodeStats& stats) const {
+  const auto& thresholds = config_.bucket_thresholds;
+  for (uint32_t b = 0; b < thresholds.size(); ++b) {
+    if (stats.sum <= thresholds[b] * stats.count) return b;
+  }
+  return static_cast<uint32_t>(thresholds.size() - 1);
+}
+
+Decision Scheduler::move_to(Trajectory& trajectory, uint32_t bucket, Reason reason) {
+  const InstanceId previous = trajectory.instance;
+  if (previous != kNoInstance) instances_.release(previous);
+  const Placement placement = instances_.place(bucket, previous);
+  if (placement.instance != kNoInstance) instances_.acquire(placement.instance);
+  trajectory.bucket = placement.bucket;
+  trajectory.instance = placement.instance;
+  const bool migrated =
+      previous != kNoInstance && placement.instance != kNoInstance && placement.instance != previous;
+  return {placement.bucket, placement.instance, placement.fallback.value_or(reason), migrated};
+}
+
+Decision Scheduler::reroute(const TrajectoryId& id) {
+  std::lock_guard lock(mutex_);
+  Trajectory& trajectory = find(id);
+  return move_to(trajectory, trajectory.bucket, Reason::kRerouted);
+}
+
+void Scheduler::on_finish(const TrajectoryId& id, int64_t total_output_tokens) {
+  std::lock_guard lock(mutex_);
+  Trajectory& trajectory = find(id);
+  CompletedTrajectory completed{trajectory.prompt->first, std::move(trajectory.path), {}};
+  completed.remaining.reserve(trajectory.generated_at_state.size() + 1);
+  completed.remaining.push_back(clamp_tokens(total_output_tokens));
+  for (const int32_t generated : trajectory.generated_at_state) {
+    completed.remaining.push_back(clamp_tokens(total_output_tokens - generated));
+  }
+  model_.learn(std::move(completed));
+  release(id, trajectory);
+  completions_since_rebuild_ += 1;
+  if (config_.rebuild_interval != 0 && completions_since_rebuild_ >= config_.rebuild_interval) {
+    model_.rebuild();
+    completions_since_rebuild_ = 0;
+  }
+}
+
+void Scheduler::on_abort(const TrajectoryId& id) {
+  std::lock_guard lock(mutex_);
+  release(id, find(id));
+}
+
+void Scheduler::release(const TrajectoryId& id, Trajectory& trajectory) {
+  if (trajectory.instance != kNoInstance) instances_.release(trajectory.instance);
+  model_.release_prompt(trajectory.prompt);
+  live_.erase(id);
+}
+
+void Scheduler::add_instance(InstanceId instance, uint32_t bucket, bool ready) {
+  std::lock_guard lock(mutex_);
+  instances_.add(instance, bucket, ready);
+}
+
+std::vector<TrajectoryId> Scheduler::remove_instance(InstanceId instance) {
+  std::lock_guard lock(mutex_);
+  instances_.remove(instance);
+  std::vector<TrajectoryId> displaced;
+  for (auto& [id, trajectory] : live_) {
+    if (trajectory.instance != instance) continue;
+    trajectory.instance = kNoInstance;
+    displaced.push_back(id);
+  }
+  std::sort(displaced.begin(), displaced.end());
+  return displaced;
+}
+
+void Scheduler::set_instance_ready(InstanceId instance, bool ready) {
+  std::lock_guard lock(mutex_);
+  instances_.set_ready(instance, ready);
+}
+
+std::vector<InstanceLoad> Scheduler::instance_loads() const {
+  std::lock_guard lock(mutex_);
+  return instances_.loads();
+}
+
+size_t Scheduler::num_live() const {
+  std::lock_guard lock(mutex_);
+  return live_.size();
+}
+
+std::optional<Prediction> Scheduler::predict(const std::string& prompt, const std::vector<StateKey>& path) const {
+  std::lock_guard lock(mutex_);
+  static const PrefixTree kNoTree(1);
+  const PrefixTree* prompt_tree = model_.find_prompt_tree(prompt);
+  Match prompt_match, global_match;
+  return predict_from(prompt_tree ? *prompt_tree : kNoTree, model_.global_tree(), path, prompt_match,
+                      global_match);
+}
+
+void Scheduler::rebuild() {
+  std::lock_guard lock(mutex_);
+  model_.rebuild();
+  completions_since_rebuild_ = 0;
+}
+
+std::string Scheduler::serialize() const {
+  std::lock_guard lock(mutex_);
+  return model_.serialize();
+}
+
+void Scheduler::restore(std::string_view bytes) {
+  std::lock_guard lock(mutex_);
+  model_.restore(bytes);
+}
+
+void Scheduler::merge(std::string_view bytes) {
+  std::lock_guard lock(mutex_);
+  model_.merge(bytes);
+}
+
+const char* reason_name(Reason reason) {
+  static constexpr const char* kNames[kNumReasons] = {
+      "admitted",         "no_history",           "mean_p90_disagree",
+      "stay_same_bucket", "migrate_up",           "migrate_down",
+      "bucket_saturated_fallback", "any_instance_fallback", "no_instance",
+      "rerouted",
+  };
+  return kNames[static_cast<int>(reason)];
+}
+
+}  // namespace libra::cmlfq

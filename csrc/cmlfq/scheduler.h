@@ -1,0 +1,92 @@
+// The C-MLFQ scheduler: routes live trajectories across TP buckets from what the causal model
+// predicts about their remaining work. Thread-safe: every public method takes one mutex, and the
+// work under it is a few hash lookups and array scans (rebuild and checkpoints excepted).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "cmlfq/causal_model.h"
+#include "cmlfq/cmlfq.h"
+#include "cmlfq/instance_table.h"
+
+namespace libra::cmlfq {
+
+// The node a prediction came from.
+struct Prediction {
+  bool from_prompt_tree;  // else from the global tree
+  uint32_t depth;         // tool-return states matched
+  NodeStats stats;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(Config config);
+
+  Decision admit(const TrajectoryId& trajectory, const std::string& prompt);
+  // generated_tokens: output tokens the policy has generated so far (tool tokens excluded).
+  Decision on_tool_return(const TrajectoryId& trajectory, StateKey state, int64_t generated_tokens);
+  void on_finish(const TrajectoryId& trajectory, int64_t total_output_tokens);
+  void on_abort(const TrajectoryId& trajectory);
+  Decision reroute(const TrajectoryId& trajectory);
+
+  void add_instance(InstanceId instance, uint32_t bucket, bool ready);
+  // Returns the trajectories that ran there, ascending; they stay live, unplaced, until rerouted.
+  std::vector<TrajectoryId> remove_instance(InstanceId instance);
+  void set_instance_ready(InstanceId instance, bool ready);
+  std::vector<InstanceLoad> instance_loads() const;
+  size_t num_live() const;
+
+  std::optional<Prediction> predict(const std::string& prompt, const std::vector<StateKey>& path) const;
+  void rebuild();
+  std::string serialize() const;
+  void restore(std::string_view bytes);
+  void merge(std::string_view bytes);
+
+ private:
+  // A deepest match saved per trajectory and tree, so each tool return resumes the walk.
+  struct Match {
+    uint32_t node = PrefixTree::kRoot;
+    uint32_t depth = 0;
+  };
+  struct Trajectory {
+    CausalModel::PromptHandle prompt;
+    uint32_t bucket = 0;
+    InstanceId instance = kNoInstance;
+    std::vector<StateKey> path;
+    std::vector<int32_t> generated_at_state;  // output tokens generated when each state arrived
+    uint64_t generation = 0;                  // of the causal model the matches belong to
+    Match prompt_match;
+    Match global_match;
+  };
+  struct BucketChoice {
+    Reason reason;
+    uint32_t bucket;
+  };
+
+  // The prompt's own tree once that prompt has history, else the global tree (the fallback for
+  // prompts not seen before); nullopt while both are empty.
+  static std::optional<Prediction> predict_from(const PrefixTree& prompt_tree, const PrefixTree& global_tree,
+                                                const std::vector<StateKey>& path, Match& prompt_match,
+                                                Match& global_match);
+  Trajectory& find(const TrajectoryId& trajectory);
+  BucketChoice choose_bucket(Trajectory& trajectory);
+  uint32_t bucket_for_tokens(int64_t tokens) const;
+  uint32_t bucket_for_mean(const NodeStats& stats) const;
+  Decision move_to(Trajectory& trajectory, uint32_t bucket, Reason reason);
+  void release(const TrajectoryId& id, Trajectory& trajectory);
+
+  const Config config_;
+  mutable std::mutex mutex_;
+  CausalModel model_;
+  InstanceTable instances_;
+  std::unordered_map<TrajectoryId, Trajectory> live_;
+  uint32_t completions_since_rebuild_ = 0;
+};
+
+}  // namespace libra::cmlfq

@@ -1,0 +1,30 @@
+"""Routing of live trajectories across TP buckets of rollout instances.
+
+Owns C-MLFQ (a facade over the C++ core in `libra._native`): tool-return states, the causal
+prefix trees learned from completed trajectories, bucket routing and the instance load table.
+Also owns the baseline policies behind the same `Router` interface, and a synthetic agentic
+workload to compare them. Depends only on `libra.trajectory` for the shared `ToolStatus`.
+"""
+
+from libra.scheduler.baselines import LeastLoadRouter, LengthMlfqRouter, OracleRouter, RoundRobinRouter
+from libra.scheduler.cmlfq import CmlfqRouter, Prediction
+from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.interface import Decision, Reason, Router
+from libra.scheduler.tool_state import SizeClass, ToolReturnState, infer_status
+
+__all__ = [
+    "BucketConfig",
+    "CmlfqConfig",
+    "CmlfqRouter",
+    "Decision",
+    "LeastLoadRouter",
+    "LengthMlfqRouter",
+    "OracleRouter",
+    "Prediction",
+    "Reason",
+    "RoundRobinRouter",
+    "Router",
+    "SizeClass",
+    "ToolReturnState",
+    "infer_status",
+]

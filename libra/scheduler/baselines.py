@@ -1,0 +1,201 @@
+"""Baseline routers behind the `Router` interface, for benchmarks and ablations (pure Python).
+
+- `RoundRobinRouter`, `LeastLoadRouter`: a homogeneous pool; buckets are ignored and a
+  trajectory keeps the instance it was admitted to.
+- `LengthMlfqRouter`: length-aware MLFQ; a trajectory moves to a longer bucket once the tokens it
+  has generated pass its bucket's threshold, and never back.
+- `OracleRouter`: knows each trajectory's true output length, so routes by the true remaining
+  tokens; the bound C-MLFQ's predictions are measured against.
+
+The bucketed baselines place trajectories with C-MLFQ's placement rules (least loaded, capped by
+`max_queue_length`, nearest other bucket, then any ready instance), so that comparisons measure
+the choice of bucket alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from libra.scheduler.config import CmlfqConfig
+from libra.scheduler.interface import Decision, Reason
+from libra.scheduler.tool_state import ToolReturnState
+
+
+@dataclass
+class _Instance:
+    bucket: int
+    ready: bool
+    active: int = 0
+
+
+@dataclass
+class _Live:
+    bucket: int
+    instance: int | None = None
+
+
+class _BaselineRouter:
+    """Live trajectories, the instance pool and placement; subclasses choose buckets."""
+
+    def __init__(self, config: CmlfqConfig | None = None) -> None:
+        self.config = config or CmlfqConfig()
+        self._instances: dict[int, _Instance] = {}
+        self._live: dict[str, _Live] = {}
+
+    # Bucket choice: overridden by the policies.
+
+    def _admission_bucket(self, trajectory_id: str) -> int:
+        return 0
+
+    def _bucket_after_tool(
+        self, trajectory_id: str, current: int, generated_tokens: int
+    ) -> tuple[int, Reason]:
+        return current, Reason.STAY_SAME_BUCKET
+
+    def _bucket_for_tokens(self, tokens: int) -> int:
+        thresholds = self.config.thresholds
+        return next((b for b, t in enumerate(thresholds) if tokens <= t), len(thresholds) - 1)
+
+    @staticmethod
+    def _migration(current: int, target: int) -> tuple[int, Reason]:
+        if target == current:
+            return current, Reason.STAY_SAME_BUCKET
+        return target, Reason.MIGRATE_UP if target > current else Reason.MIGRATE_DOWN
+
+    # The Router interface.
+
+    def admit(self, trajectory_id: str, prompt_id: str) -> Decision:
+        if trajectory_id in self._live:
+            raise ValueError(f"trajectory {trajectory_id} is already live")
+        self._live[trajectory_id] = _Live(bucket=0)
+        return self._move(trajectory_id, self._admission_bucket(trajectory_id), Reason.ADMITTED)
+
+    def on_tool_return(self, trajectory_id: str, state: ToolReturnState, generated_tokens: int) -> Decision:
+        live = self._live[trajectory_id]
+        bucket, reason = self._bucket_after_tool(trajectory_id, live.bucket, generated_tokens)
+        if bucket == live.bucket and live.instance is not None and self._instances[live.instance].ready:
+            return Decision(trajectory_id, live.bucket, live.instance, reason, False)
+        return self._move(trajectory_id, bucket, reason)
+
+    def on_finish(self, trajectory_id: str, total_output_tokens: int) -> None:
+        self.on_abort(trajectory_id)
+
+    def on_abort(self, trajectory_id: str) -> None:
+        live = self._live.pop(trajectory_id)
+        if live.instance is not None:
+            self._instances[live.instance].active -= 1
+
+    def reroute(self, trajectory_id: str) -> Decision:
+        return self._move(trajectory_id, self._live[trajectory_id].bucket, Reason.REROUTED)
+
+    def add_instance(self, instance_id: int, bucket: int, ready: bool = True) -> None:
+        if instance_id in self._instances:
+            raise ValueError(f"instance {instance_id} already exists")
+        self._instances[instance_id] = _Instance(bucket, ready)
+
+    def remove_instance(self, instance_id: int) -> list[str]:
+        del self._instances[instance_id]
+        displaced = sorted(t for t, live in self._live.items() if live.instance == instance_id)
+        for trajectory_id in displaced:
+            self._live[trajectory_id].instance = None
+        return displaced
+
+    def on_instance_lost(self, instance_id: int) -> list[str]:
+        return self.remove_instance(instance_id)
+
+    def set_instance_ready(self, instance_id: int, ready: bool) -> None:
+        self._instances[instance_id].ready = ready
+
+    # Placement.
+
+    def _move(self, trajectory_id: str, bucket: int, reason: Reason) -> Decision:
+        live = self._live[trajectory_id]
+        previous = live.instance
+        if previous is not None:
+            self._instances[previous].active -= 1
+        live.bucket, live.instance, fallback = self._place(bucket, previous)
+        if live.instance is not None:
+            self._instances[live.instance].active += 1
+        migrated = previous is not None and live.instance is not None and live.instance != previous
+        return Decision(trajectory_id, live.bucket, live.instance, fallback or reason, migrated)
+
+    def _place(self, bucket: int, previous: int | None) -> tuple[int, int | None, Reason | None]:
+        num_buckets = len(self.config.buckets)
+        chosen = self._least_loaded(bucket, previous, capped=True)
+        if chosen is not None:
+            return bucket, chosen, None
+        for distance in range(1, num_buckets):
+            for other in (bucket + distance, bucket - distance):
+                if (
+                    0 <= other < num_buckets
+                    and (chosen := self._least_loaded(other, previous, True)) is not None
+                ):
+                    return other, chosen, Reason.BUCKET_SATURATED_FALLBACK
+        chosen = self._least_loaded(None, previous, capped=False)
+        if chosen is not None:
+            return self._instances[chosen].bucket, chosen, Reason.ANY_INSTANCE_FALLBACK
+        return bucket, None, Reason.NO_INSTANCE
+
+    def _least_loaded(self, bucket: int | None, previous: int | None, capped: bool) -> int | None:
+        """The least-loaded ready instance of `bucket` (None: of all), under the cap if `capped`;
+        ties go to `previous`, then to the lowest id."""
+        candidates = [
+            (instance.active, instance_id != previous, instance_id)
+            for instance_id, instance in self._instances.items()
+            if instance.ready
+            and (bucket is None or instance.bucket == bucket)
+            and (not capped or instance.active < self.config.max_queue_length)
+        ]
+        return min(candidates)[2] if candidates else None
+
+
+class LeastLoadRouter(_BaselineRouter):
+    """Homogeneous pool: each trajectory goes to the ready instance with the fewest live trajectories."""
+
+    def _place(self, bucket: int, previous: int | None) -> tuple[int, int | None, Reason | None]:
+        chosen = self._least_loaded(None, previous, capped=False)
+        if chosen is None:
+            return bucket, None, Reason.NO_INSTANCE
+        return self._instances[chosen].bucket, chosen, None
+
+
+class RoundRobinRouter(_BaselineRouter):
+    """Homogeneous pool: trajectories go to the ready instances in turn, in id order."""
+
+    def __init__(self, config: CmlfqConfig | None = None) -> None:
+        super().__init__(config)
+        self._last: int = -1
+
+    def _place(self, bucket: int, previous: int | None) -> tuple[int, int | None, Reason | None]:
+        ready = sorted(i for i, instance in self._instances.items() if instance.ready)
+        if not ready:
+            return bucket, None, Reason.NO_INSTANCE
+        self._last = next((i for i in ready if i > self._last), ready[0])
+        return self._instances[self._last].bucket, self._last, None
+
+
+class LengthMlfqRouter(_BaselineRouter):
+    """Length-aware MLFQ: demote to the bucket whose threshold covers the tokens generated so far."""
+
+    def _bucket_after_tool(
+        self, trajectory_id: str, current: int, generated_tokens: int
+    ) -> tuple[int, Reason]:
+        return self._migration(current, max(current, self._bucket_for_tokens(generated_tokens)))
+
+
+class OracleRouter(_BaselineRouter):
+    """Routes by the true remaining tokens, from `true_output_tokens[trajectory_id]`."""
+
+    def __init__(self, true_output_tokens: Mapping[str, int], config: CmlfqConfig | None = None) -> None:
+        super().__init__(config)
+        self._true_output_tokens = true_output_tokens
+
+    def _admission_bucket(self, trajectory_id: str) -> int:
+        return self._bucket_for_tokens(self._true_output_tokens[trajectory_id])
+
+    def _bucket_after_tool(
+        self, trajectory_id: str, current: int, generated_tokens: int
+    ) -> tuple[int, Reason]:
+        remaining = self._true_output_tokens[trajectory_id] - generated_tokens
+        return self._migration(current, self._bucket_for_tokens(remaining))

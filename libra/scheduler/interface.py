@@ -1,0 +1,108 @@
+"""The `Router` protocol: what the agent loop and the planner ask of a trajectory scheduler.
+
+The agent loop calls a router from its asyncio loop, once per event of a trajectory:
+
+    decision = router.admit(trajectory_id, prompt_id)          # before the first turn
+    ...generate on decision.instance_id until a tool call...
+    decision = router.on_tool_return(trajectory_id, state, generated_tokens)   # after each tool
+    ...next turn on decision.instance_id (re-prefill there when decision.migrated)...
+    router.on_finish(trajectory_id, total_output_tokens)       # learn from it, free its slot
+
+The planner and the control plane change the pool with `add_instance`, `remove_instance`,
+`set_instance_ready` and `on_instance_lost`; trajectories displaced from a removed or lost
+instance are returned, never dropped, and go back in with `reroute`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from libra.scheduler.tool_state import ToolReturnState
+
+
+class Reason(enum.IntEnum):
+    """Why a decision came out as it did; the values are those of the C++ core."""
+
+    ADMITTED = 0
+    """A new trajectory, placed in the smallest bucket."""
+    NO_HISTORY = 1
+    """No completed trajectory has been learned from yet: stay."""
+    MEAN_P90_DISAGREE = 2
+    """The predicted mean and P90 remaining tokens map to different buckets: stay."""
+    STAY_SAME_BUCKET = 3
+    """Mean and P90 agree on the current bucket."""
+    MIGRATE_UP = 4
+    """Mean and P90 agree on a larger bucket."""
+    MIGRATE_DOWN = 5
+    """Mean and P90 agree on a smaller bucket."""
+    BUCKET_SATURATED_FALLBACK = 6
+    """The wanted bucket had no ready instance with room: placed in the nearest bucket that had."""
+    ANY_INSTANCE_FALLBACK = 7
+    """No bucket had room: the least-loaded ready instance anywhere."""
+    NO_INSTANCE = 8
+    """No instance is ready: the trajectory waits unplaced (`instance_id` None) until rerouted."""
+    REROUTED = 9
+    """Placed again by `reroute`, in its bucket."""
+
+
+@dataclass(slots=True)
+class Decision:
+    """Where the next turn of a trajectory runs. (Not frozen: a frozen dataclass takes four times
+    longer to build, more than the C++ decision itself.)"""
+
+    trajectory_id: str
+    bucket: int
+    """Index into the configured buckets (0 = smallest)."""
+    instance_id: int | None
+    """None only with `Reason.NO_INSTANCE`."""
+    reason: Reason
+    migrated: bool
+    """The trajectory moved from one instance to another: the next turn re-prefills there."""
+
+
+@runtime_checkable
+class Router(Protocol):
+    """Routes trajectories to rollout instances. Ids: `Trajectory.trajectory_id` and `prompt_id`;
+    instance ids are the control plane's integers. Unknown trajectory or instance ids raise
+    KeyError. Token counts are output (policy) tokens only, never tool-result tokens."""
+
+    def admit(self, trajectory_id: str, prompt_id: str) -> Decision:
+        """A new trajectory of `prompt_id`, before its first turn."""
+        ...
+
+    def on_tool_return(self, trajectory_id: str, state: ToolReturnState, generated_tokens: int) -> Decision:
+        """After each tool call: `state` is the tool's return, `generated_tokens` the output tokens
+        the trajectory has generated so far. Says where the next turn runs."""
+        ...
+
+    def on_finish(self, trajectory_id: str, total_output_tokens: int) -> None:
+        """The trajectory ended having generated `total_output_tokens`: learn and free its slot."""
+        ...
+
+    def on_abort(self, trajectory_id: str) -> None:
+        """The trajectory was cancelled (e.g. over-provisioned): free its slot, learn nothing."""
+        ...
+
+    def reroute(self, trajectory_id: str) -> Decision:
+        """Place a live trajectory again in its bucket (after `on_instance_lost` displaced it)."""
+        ...
+
+    def add_instance(self, instance_id: int, bucket: int, ready: bool = True) -> None:
+        """A rollout instance of bucket `bucket` joins the pool."""
+        ...
+
+    def remove_instance(self, instance_id: int) -> list[str]:
+        """The planner takes an instance away. Returns the trajectories that ran there (sorted);
+        they stay live, unplaced, until `reroute`d."""
+        ...
+
+    def on_instance_lost(self, instance_id: int) -> list[str]:
+        """An instance died (missed heartbeats). Same contract as `remove_instance`."""
+        ...
+
+    def set_instance_ready(self, instance_id: int, ready: bool) -> None:
+        """A not-ready instance (loading weights, draining) takes no new trajectories; those it
+        has move elsewhere at their next tool return."""
+        ...

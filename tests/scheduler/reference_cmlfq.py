@@ -1,0 +1,239 @@
+"""A plain-Python C-MLFQ, written for clarity rather than speed: the reference the C++ core is
+held to (`test_cmlfq_equivalence.py`) and the Python baseline of `benchmarks/cmlfq.py`.
+
+Same rules as `csrc/cmlfq/scheduler.cpp`, computed the obvious way: every tool return walks the
+tree from the root, every P90 sorts its window, the mean is compared as sum <= threshold * count.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from libra.scheduler.config import CmlfqConfig
+from libra.scheduler.interface import Decision, Reason
+from libra.scheduler.tool_state import ToolReturnState
+
+
+class Node:
+    def __init__(self, window: int) -> None:
+        self.count = 0
+        self.total = 0
+        self.samples: deque[int] = deque(maxlen=window)
+        """The most recent remaining-token samples, oldest first."""
+        self.children: dict[int, Node] = {}
+
+    def add(self, remaining: int) -> None:
+        self.count += 1
+        self.total += remaining
+        self.samples.append(remaining)
+
+    def p90(self) -> int:
+        ordered = sorted(self.samples)
+        return ordered[-(-9 * len(ordered) // 10) - 1]  # the ceil(0.9 n)-th smallest
+
+
+class Tree:
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.root = Node(window)
+
+    def child(self, node: Node, key: int) -> Node:
+        if key not in node.children:
+            node.children[key] = Node(self.window)
+        return node.children[key]
+
+    def insert(self, path: list[int], remaining: list[int]) -> None:
+        node = self.root
+        node.add(remaining[0])
+        for key, left in zip(path, remaining[1:], strict=True):
+            node = self.child(node, key)
+            node.add(left)
+
+    def deepest(self, path: list[int]) -> tuple[Node, int]:
+        node, depth = self.root, 0
+        for key in path:
+            if key not in node.children:
+                break
+            node, depth = node.children[key], depth + 1
+        return node, depth
+
+    def merge(self, other: Tree) -> None:
+        pairs = [(self.root, other.root)]
+        while pairs:
+            ours, theirs = pairs.pop()
+            ours.count += theirs.count
+            ours.total += theirs.total
+            ours.samples.extend(theirs.samples)
+            for key, child in theirs.children.items():
+                pairs.append((self.child(ours, key), child))
+
+
+@dataclass
+class Live:
+    prompt: str
+    bucket: int = 0
+    instance: int | None = None
+    path: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Instance:
+    bucket: int
+    ready: bool
+    active: int = 0
+
+
+def clamp(tokens: int) -> int:
+    return min(max(tokens, 0), 2**31 - 1)
+
+
+class ReferenceCmlfq:
+    def __init__(self, config: CmlfqConfig) -> None:
+        self.config = config
+        self.thresholds = config.thresholds
+        self.global_tree = Tree(config.p90_window)
+        self.prompt_trees: dict[str, Tree] = {}
+        self.history: deque[tuple[str, list[int], list[int]]] = deque(maxlen=config.rebuild_window)
+        self.live: dict[str, Live] = {}
+        self.instances: dict[int, Instance] = {}
+        self.completions_since_rebuild = 0
+
+    # Learning.
+
+    def learn(self, prompt: str, path: list[int], remaining: list[int]) -> None:
+        self.prompt_trees.setdefault(prompt, Tree(self.config.p90_window)).insert(path, remaining)
+        self.global_tree.insert(path, remaining)
+        self.history.append((prompt, path, remaining))
+
+    def rebuild(self) -> None:
+        history = list(self.history)
+        self.global_tree = Tree(self.config.p90_window)
+        self.prompt_trees = {}
+        self.history.clear()
+        for completed in history:
+            self.learn(*completed)
+        self.completions_since_rebuild = 0
+
+    def merge(self, other: ReferenceCmlfq) -> None:
+        self.global_tree.merge(other.global_tree)
+        for prompt, tree in other.prompt_trees.items():
+            self.prompt_trees.setdefault(prompt, Tree(self.config.p90_window)).merge(tree)
+        self.history.extend(other.history)
+
+    def predict(self, prompt: str, path: list[int]) -> tuple[bool, int, int, int, int] | None:
+        """(from prompt tree, depth, count, sum, p90), like the core's `predict`."""
+        prompt_tree = self.prompt_trees.get(prompt)
+        if prompt_tree is not None and prompt_tree.root.count > 0:
+            node, depth = prompt_tree.deepest(path)
+            return True, depth, node.count, node.total, node.p90()
+        if self.global_tree.root.count == 0:
+            return None
+        node, depth = self.global_tree.deepest(path)
+        return False, depth, node.count, node.total, node.p90()
+
+    # Routing.
+
+    def bucket_for(self, tokens: int) -> int:
+        return next((b for b, t in enumerate(self.thresholds) if tokens <= t), len(self.thresholds) - 1)
+
+    def bucket_for_mean(self, count: int, total: int) -> int:
+        return next(
+            (b for b, t in enumerate(self.thresholds) if total <= t * count), len(self.thresholds) - 1
+        )
+
+    def admit(self, trajectory_id: str, prompt_id: str) -> Decision:
+        assert trajectory_id not in self.live
+        self.live[trajectory_id] = Live(prompt_id)
+        return self.move(trajectory_id, 0, Reason.ADMITTED)
+
+    def on_tool_return(self, trajectory_id: str, state: ToolReturnState, generated_tokens: int) -> Decision:
+        live = self.live[trajectory_id]
+        live.path.append(state.key)
+        live.generated.append(clamp(generated_tokens))
+        prediction = self.predict(live.prompt, live.path)
+        target = live.bucket
+        if prediction is None:
+            reason = Reason.NO_HISTORY
+        else:
+            _, _, count, total, p90 = prediction
+            by_mean, by_p90 = self.bucket_for_mean(count, total), self.bucket_for(p90)
+            if by_mean != by_p90:
+                reason = Reason.MEAN_P90_DISAGREE
+            elif by_mean == live.bucket:
+                reason = Reason.STAY_SAME_BUCKET
+            else:
+                target = by_mean
+                reason = Reason.MIGRATE_UP if by_mean > live.bucket else Reason.MIGRATE_DOWN
+        if target == live.bucket and live.instance is not None and self.instances[live.instance].ready:
+            return Decision(trajectory_id, live.bucket, live.instance, reason, False)
+        return self.move(trajectory_id, target, reason)
+
+    def on_finish(self, trajectory_id: str, total_output_tokens: int) -> None:
+        live = self.live[trajectory_id]
+        remaining = [clamp(total_output_tokens)] + [clamp(total_output_tokens - g) for g in live.generated]
+        self.learn(live.prompt, live.path, remaining)
+        self.on_abort(trajectory_id)
+        self.completions_since_rebuild += 1
+        if self.config.rebuild_interval and self.completions_since_rebuild >= self.config.rebuild_interval:
+            self.rebuild()
+
+    def on_abort(self, trajectory_id: str) -> None:
+        live = self.live.pop(trajectory_id)
+        if live.instance is not None:
+            self.instances[live.instance].active -= 1
+
+    def reroute(self, trajectory_id: str) -> Decision:
+        return self.move(trajectory_id, self.live[trajectory_id].bucket, Reason.REROUTED)
+
+    # Instances and placement.
+
+    def add_instance(self, instance_id: int, bucket: int, ready: bool = True) -> None:
+        assert instance_id not in self.instances
+        self.instances[instance_id] = Instance(bucket, ready)
+
+    def remove_instance(self, instance_id: int) -> list[str]:
+        del self.instances[instance_id]
+        displaced = sorted(t for t, live in self.live.items() if live.instance == instance_id)
+        for trajectory_id in displaced:
+            self.live[trajectory_id].instance = None
+        return displaced
+
+    on_instance_lost = remove_instance
+
+    def set_instance_ready(self, instance_id: int, ready: bool) -> None:
+        self.instances[instance_id].ready = ready
+
+    def move(self, trajectory_id: str, bucket: int, reason: Reason) -> Decision:
+        live = self.live[trajectory_id]
+        previous = live.instance
+        if previous is not None:
+            self.instances[previous].active -= 1
+        live.bucket, live.instance, fallback = self.place(bucket, previous)
+        if live.instance is not None:
+            self.instances[live.instance].active += 1
+        migrated = previous is not None and live.instance is not None and live.instance != previous
+        return Decision(trajectory_id, live.bucket, live.instance, fallback or reason, migrated)
+
+    def place(self, bucket: int, previous: int | None) -> tuple[int, int | None, Reason | None]:
+        def least_loaded(buckets: set[int], capped: bool) -> int | None:
+            candidates = [
+                (instance.active, instance_id != previous, instance_id)
+                for instance_id, instance in self.instances.items()
+                if instance.ready
+                and instance.bucket in buckets
+                and (not capped or instance.active < self.config.max_queue_length)
+            ]
+            return min(candidates)[2] if candidates else None
+
+        num_buckets = len(self.thresholds)
+        if (chosen := least_loaded({bucket}, capped=True)) is not None:
+            return bucket, chosen, None
+        # Nearest first; at equal distance the larger bucket.
+        for other in sorted(range(num_buckets), key=lambda b: (abs(b - bucket), -b))[1:]:
+            if (chosen := least_loaded({other}, capped=True)) is not None:
+                return other, chosen, Reason.BUCKET_SATURATED_FALLBACK
+        if (chosen := least_loaded(set(range(num_buckets)), capped=False)) is not None:
+            return self.instances[chosen].bucket, chosen, Reason.ANY_INSTANCE_FALLBACK
+        return bucket, None, Reason.NO_INSTANCE

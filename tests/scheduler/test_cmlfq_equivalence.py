@@ -1,0 +1,159 @@
+"""The C++ core decides exactly as the plain-Python reference on random traces.
+
+Each trace draws a small config (thresholds low enough that random token counts cross them, tiny
+windows so rebuilds and evictions happen) and a sequence of admissions, tool returns,
+completions, aborts, instance changes and losses (with reroutes of the displaced) and rebuilds.
+Every decision must match in bucket, instance, reason and migrated; predictions and loads too.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libra.scheduler import BucketConfig, CmlfqConfig, CmlfqRouter, SizeClass, ToolReturnState
+from libra.trajectory import ToolStatus
+from tests.scheduler.reference_cmlfq import ReferenceCmlfq
+
+STATES = [
+    ToolReturnState(tool, size, status)
+    for tool, size, status in [
+        ("python", SizeClass.SMALL, ToolStatus.SUCCESS),
+        ("python", SizeClass.LARGE, ToolStatus.FAILURE),
+        ("python", SizeClass.SMALL, ToolStatus.TIMEOUT),
+        ("search", SizeClass.MEDIUM, ToolStatus.SUCCESS),
+        ("search", SizeClass.SMALL, ToolStatus.FAILURE),
+    ]
+]
+PROMPTS = ["p0", "p1", "p2"]
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> CmlfqConfig:
+    num_buckets = draw(st.integers(1, 4))
+    thresholds = sorted(draw(st.sets(st.integers(1, 1500), min_size=num_buckets, max_size=num_buckets)))
+    return CmlfqConfig(
+        buckets=tuple(BucketConfig(f"b{i}", 2**i, t) for i, t in enumerate(thresholds)),
+        p90_window=draw(st.integers(1, 15)),
+        rebuild_window=draw(st.integers(1, 30)),
+        rebuild_interval=draw(st.integers(0, 8)),
+        max_queue_length=draw(st.integers(1, 4)),
+    )
+
+
+# Kinds repeated to weight them: traces are mostly tool returns and completions.
+KINDS = (
+    ["admit"] * 4
+    + ["tool"] * 10
+    + ["finish"] * 3
+    + ["add"] * 2
+    + ["abort", "reroute", "lose", "ready", "rebuild"]
+)
+ops = st.tuples(st.sampled_from(KINDS), st.integers(0, 50), st.integers(0, 600), st.booleans())
+traces = st.lists(ops, min_size=20, max_size=200)
+
+
+class Twin:
+    """Runs every operation on the C++ router and the reference and checks they agree."""
+
+    def __init__(self, config: CmlfqConfig) -> None:
+        self.native = CmlfqRouter(config)
+        self.reference = ReferenceCmlfq(config)
+        self.num_buckets = len(config.buckets)
+        self.generated: dict[str, int] = {}
+        self.instances: list[int] = []
+        self.next_instance = 0
+        self.next_trajectory = 0
+
+    def both(self, method: str, *args: object) -> object:
+        native = getattr(self.native, method)(*args)
+        reference = getattr(self.reference, method)(*args)
+        assert native == reference, (method, args)
+        return native
+
+    def pick(self, index: int) -> str | None:
+        live = sorted(self.generated)
+        return live[index % len(live)] if live else None
+
+    def apply(self, op: tuple[str, int, int, bool]) -> None:
+        """`index` picks a prompt, live trajectory, bucket or instance; `tokens` is what a turn
+        generates; `flag` is an instance's readiness."""
+        kind, index, tokens, flag = op
+        if kind == "admit":
+            trajectory = f"t{self.next_trajectory}"
+            self.next_trajectory += 1
+            self.generated[trajectory] = 0
+            self.both("admit", trajectory, PROMPTS[index % len(PROMPTS)])
+        elif kind in ("tool", "finish", "abort", "reroute") and (trajectory := self.pick(index)):
+            if kind == "tool":
+                self.generated[trajectory] += tokens
+                state = STATES[(index + tokens) % len(STATES)]
+                self.both("on_tool_return", trajectory, state, self.generated[trajectory])
+            elif kind == "finish":
+                self.both("on_finish", trajectory, self.generated.pop(trajectory) + tokens)
+            elif kind == "abort":
+                del self.generated[trajectory]
+                self.both("on_abort", trajectory)
+            else:
+                self.both("reroute", trajectory)
+        elif kind == "add":
+            self.both("add_instance", self.next_instance, index % self.num_buckets, flag)
+            self.instances.append(self.next_instance)
+            self.next_instance += 1
+        elif kind in ("lose", "ready") and self.instances:
+            instance = self.instances[index % len(self.instances)]
+            if kind == "ready":
+                self.both("set_instance_ready", instance, flag)
+            else:
+                self.instances.remove(instance)
+                for trajectory in self.both("on_instance_lost", instance):
+                    self.both("reroute", trajectory)
+        elif kind == "rebuild":
+            self.both("rebuild")
+
+    def check_model(self) -> None:
+        paths = [[]] + [path[:n] for _, path, _ in self.reference.history for n in range(1, len(path) + 1)]
+        for prompt in PROMPTS + ["unseen"]:
+            for path in paths:
+                native = self.native._core.predict(prompt, path)
+                assert native == self.reference.predict(prompt, path), (prompt, path)
+
+    def check_loads(self) -> None:
+        native = [
+            (load.instance_id, load.bucket, load.active, load.ready) for load in self.native.instance_loads()
+        ]
+        reference = [(i, x.bucket, x.active, x.ready) for i, x in sorted(self.reference.instances.items())]
+        assert native == reference
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs(), initial_buckets=st.lists(st.integers(0, 3), min_size=1, max_size=8), trace=traces)
+def test_same_decisions_on_random_traces(
+    config: CmlfqConfig, initial_buckets: list[int], trace: list[tuple]
+) -> None:
+    twin = Twin(config)
+    for bucket in initial_buckets:
+        twin.apply(("add", bucket, 0, True))
+    for op in trace:
+        twin.apply(op)
+    twin.check_model()
+    twin.check_loads()
+
+
+@settings(max_examples=100, deadline=None)
+@given(config=configs(), controller_traces=st.lists(traces, min_size=2, max_size=3))
+def test_merge_matches_reference(config: CmlfqConfig, controller_traces: list[list[tuple]]) -> None:
+    """Several controllers learn separately; merging their states gives the reference's merge,
+    and a rebuild afterwards relearns from the concatenated histories."""
+    twins = [Twin(config) for _ in controller_traces]
+    for twin, trace in zip(twins, controller_traces, strict=True):
+        twin.apply(("add", 0, 0, True))
+        for op in trace:
+            twin.apply(op)
+    merged, others = twins[0], twins[1:]
+    for other in others:
+        merged.native.merge(other.native.serialize())
+        merged.reference.merge(other.reference)
+    merged.check_model()
+    merged.both("rebuild")
+    merged.check_model()

@@ -1,0 +1,342 @@
+"""C-MLFQ's rules one by one, on the C++ router, with hand-built traces."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from libra import _native
+from libra.scheduler import BucketConfig, CmlfqConfig, CmlfqRouter, Reason, SizeClass, ToolReturnState
+from libra.trajectory import ToolStatus
+
+FAIL = ToolReturnState("python", SizeClass.LARGE, ToolStatus.FAILURE)
+PASS = ToolReturnState("validator", SizeClass.SMALL, ToolStatus.SUCCESS)
+SEARCH = ToolReturnState("search", SizeClass.MEDIUM, ToolStatus.SUCCESS)
+
+
+def make_router(buckets_of_instances: tuple[int, ...] = (0, 0, 1, 2), **overrides: object) -> CmlfqRouter:
+    """Buckets small/medium/large at 100/1,000/10,000 remaining tokens, one instance per entry
+    (ids 0, 1, ...) in the given buckets; no automatic rebuilds unless overridden."""
+    config = CmlfqConfig(
+        buckets=(BucketConfig("s", 1, 100), BucketConfig("m", 2, 1000), BucketConfig("l", 4, 10000)),
+        **{"rebuild_interval": 0, "max_queue_length": 100, **overrides},
+    )
+    router = CmlfqRouter(config)
+    for instance_id, bucket in enumerate(buckets_of_instances):
+        router.add_instance(instance_id, bucket)
+    return router
+
+
+def learn(router: CmlfqRouter, prompt: str, path: list[ToolReturnState], remaining: list[int]) -> None:
+    """Completes one trajectory of `prompt` that had `remaining[i]` output tokens left after its
+    i-th tool return (`remaining[0]`: at admission)."""
+    learn.count += 1
+    trajectory = f"learned-{learn.count}"
+    total = remaining[0]
+    router.admit(trajectory, prompt)
+    for state, left in zip(path, remaining[1:], strict=True):
+        router.on_tool_return(trajectory, state, total - left)
+    router.on_finish(trajectory, total)
+
+
+learn.count = 0
+
+
+def test_admission_goes_to_least_loaded_instance_of_smallest_bucket() -> None:
+    router = make_router()
+    decisions = [router.admit(f"t{i}", "p") for i in range(3)]
+    assert [(d.bucket, d.instance_id, d.reason) for d in decisions] == [
+        (0, 0, Reason.ADMITTED),  # tie between 0 and 1: lowest id
+        (0, 1, Reason.ADMITTED),
+        (0, 0, Reason.ADMITTED),
+    ]
+    assert not any(d.migrated for d in decisions)
+
+
+def test_without_history_trajectories_stay() -> None:
+    router = make_router()
+    router.admit("t", "p")
+    decision = router.on_tool_return("t", FAIL, 10)
+    assert (decision.bucket, decision.instance_id, decision.reason, decision.migrated) == (
+        0,
+        0,
+        Reason.NO_HISTORY,
+        False,
+    )
+
+
+def test_migrates_only_when_mean_and_p90_agree() -> None:
+    router = make_router()
+    # After FAIL: nine trajectories had 50 tokens left, one had 900. Mean 135 -> medium bucket,
+    # P90 (the 9th smallest of 10) 50 -> small bucket: they disagree.
+    for left in [50] * 9 + [900]:
+        learn(router, "p", [FAIL], [left + 10, left])
+    router.admit("t", "p")
+    assert router.on_tool_return("t", FAIL, 10).reason == Reason.MEAN_P90_DISAGREE
+    # Two more long ones: mean 262, P90 (11th smallest of 12) 900: both say medium.
+    for _ in range(2):
+        learn(router, "p", [FAIL], [910, 900])
+    router.admit("u", "p")
+    decision = router.on_tool_return("u", FAIL, 10)
+    assert (decision.bucket, decision.instance_id, decision.reason, decision.migrated) == (
+        1,
+        2,
+        Reason.MIGRATE_UP,
+        True,
+    )
+
+
+def test_migrates_up_then_down_as_remaining_work_changes() -> None:
+    router = make_router()
+    for _ in range(5):
+        learn(router, "p", [FAIL, PASS], [5030, 5000, 20])  # failing: much left; validated: little
+    router.admit("t", "p")
+    up = router.on_tool_return("t", FAIL, 30)
+    assert (up.bucket, up.instance_id, up.reason, up.migrated) == (2, 3, Reason.MIGRATE_UP, True)
+    stay = router.on_tool_return("t", FAIL, 60)  # FAIL, FAIL: unseen, the deepest match is FAIL
+    assert (stay.bucket, stay.instance_id, stay.reason, stay.migrated) == (
+        2,
+        3,
+        Reason.STAY_SAME_BUCKET,
+        False,
+    )
+    router.admit("u", "p")
+    router.on_tool_return("u", FAIL, 30)
+    down = router.on_tool_return("u", PASS, 5010)
+    assert (down.bucket, down.reason, down.migrated) == (0, Reason.MIGRATE_DOWN, True)
+    assert [load.active for load in router.instance_loads()] == [1, 0, 0, 1]
+
+
+def test_prompt_tree_first_global_tree_for_unseen_prompts() -> None:
+    router = make_router()
+    for _ in range(3):
+        learn(router, "short-prompt", [SEARCH], [60, 50])
+        learn(router, "long-prompt", [SEARCH], [9010, 9000])
+    short = router.predict("short-prompt", [SEARCH])
+    assert (
+        short is not None and short.from_prompt_tree and (short.count, short.mean_remaining_tokens) == (3, 50)
+    )
+    unseen = router.predict("new-prompt", [SEARCH, FAIL])
+    assert unseen is not None and not unseen.from_prompt_tree
+    assert (unseen.depth, unseen.count, unseen.mean_remaining_tokens, unseen.p90_remaining_tokens) == (
+        1,
+        6,
+        4525,
+        9000,
+    )
+    assert make_router().predict("p", [SEARCH]) is None
+
+
+def test_saturated_bucket_falls_back_to_nearest_bucket_then_any_instance() -> None:
+    router = make_router((0, 1, 2), max_queue_length=1)
+    assert router.admit("a", "p").reason == Reason.ADMITTED
+    fallback = router.admit("b", "p")  # instance 0 is full
+    assert (fallback.bucket, fallback.instance_id, fallback.reason) == (
+        1,
+        1,
+        Reason.BUCKET_SATURATED_FALLBACK,
+    )
+    router.admit("c", "p")
+    anywhere = router.admit("d", "p")  # all full: least loaded anywhere, lowest id
+    assert (anywhere.bucket, anywhere.instance_id, anywhere.reason) == (0, 0, Reason.ANY_INSTANCE_FALLBACK)
+
+
+def test_fallback_prefers_the_larger_of_two_equally_near_buckets() -> None:
+    router = make_router((0, 1, 2), max_queue_length=1)
+    for _ in range(3):
+        learn(router, "p", [SEARCH], [560, 500])  # SEARCH -> medium bucket
+    router.admit("blocker", "p")
+    router.on_tool_return("blocker", SEARCH, 60)  # now on the only medium instance
+    router.admit("t", "p")
+    decision = router.on_tool_return("t", SEARCH, 60)
+    assert (decision.bucket, decision.instance_id, decision.reason) == (
+        2,
+        2,
+        Reason.BUCKET_SATURATED_FALLBACK,
+    )
+
+
+def test_no_ready_instance_leaves_the_trajectory_unplaced() -> None:
+    router = make_router((0,))
+    router.set_instance_ready(0, False)
+    decision = router.admit("t", "p")
+    assert (decision.instance_id, decision.reason) == (None, Reason.NO_INSTANCE)
+    router.set_instance_ready(0, True)
+    assert router.reroute("t").instance_id == 0
+
+
+def test_trajectories_leave_a_not_ready_instance_at_their_next_tool_return() -> None:
+    router = make_router((0, 0))
+    assert router.admit("t", "p").instance_id == 0
+    router.set_instance_ready(0, False)
+    decision = router.on_tool_return("t", FAIL, 10)
+    assert (decision.bucket, decision.instance_id, decision.reason, decision.migrated) == (
+        0,
+        1,
+        Reason.NO_HISTORY,
+        True,
+    )
+
+
+def test_lost_instance_hands_back_its_trajectories_for_rerouting() -> None:
+    router = make_router((0, 0))
+    for name in ("b", "a", "c", "d"):
+        router.admit(name, "p")  # a, d on 1; b, c on 0
+    assert router.on_instance_lost(0) == ["b", "c"]
+    assert router.num_live == 4
+    assert [(load.instance_id, load.active) for load in router.instance_loads()] == [(1, 2)]
+    rerouted = [router.reroute(t) for t in ("b", "c")]
+    assert [(d.instance_id, d.reason, d.migrated) for d in rerouted] == [(1, Reason.REROUTED, False)] * 2
+    assert router.remove_instance(1) == ["a", "b", "c", "d"]
+    with pytest.raises(KeyError):
+        router.on_instance_lost(1)
+
+
+def test_finish_and_abort_free_the_slot() -> None:
+    router = make_router((0,))
+    router.admit("t", "p")
+    router.admit("u", "p")
+    router.on_finish("t", 10)
+    router.on_abort("u")
+    assert router.num_live == 0 and router.instance_loads()[0].active == 0
+    assert router.predict("p", []).count == 1  # only the finished one was learned
+    with pytest.raises(KeyError):
+        router.on_finish("t", 10)
+
+
+def test_rebuild_forgets_behaviour_older_than_the_window() -> None:
+    router = make_router(rebuild_window=20)
+    for _ in range(50):
+        learn(router, "p", [FAIL], [5010, 5000])  # the old policy: failures meant long tails
+    for _ in range(20):
+        learn(router, "p", [FAIL], [60, 50])  # the new one recovers quickly
+    before = router.predict("p", [FAIL])
+    assert before.count == 70 and before.p90_remaining_tokens == 5000
+    router.rebuild()
+    after = router.predict("p", [FAIL])
+    assert (after.count, after.mean_remaining_tokens, after.p90_remaining_tokens) == (20, 50, 50)
+
+
+def test_automatic_rebuild_every_interval() -> None:
+    router = make_router(rebuild_window=2, rebuild_interval=3)
+    for left in (1, 2):
+        learn(router, "old", [FAIL], [left, left])
+    assert router.predict("old", []).count == 2
+    learn(router, "new", [FAIL], [3, 3])  # third completion: rebuild from the last two
+    assert router.predict("old", []).count == 1
+    assert router.predict("new", []).count == 1
+
+
+def test_p90_covers_only_the_recent_window() -> None:
+    router = make_router(p90_window=3)
+    for left in (9000, 10, 20, 30):
+        learn(router, "p", [], [left])
+    prediction = router.predict("p", [])
+    assert (prediction.count, prediction.p90_remaining_tokens) == (4, 30)
+
+
+def test_serialization_round_trip() -> None:
+    router = make_router(p90_window=4)
+    for i in range(30):
+        learn(router, f"p{i % 3}", [FAIL, SEARCH, PASS][: i % 4], [900 - i, 600, 300, 20][: i % 4 + 1])
+    state = router.serialize()
+    restored = make_router(p90_window=4)
+    restored.restore(state)
+    assert restored.serialize() == state
+    for prompt in ("p0", "p1", "p2", "unseen"):
+        for path in ([], [FAIL], [FAIL, SEARCH], [FAIL, SEARCH, PASS], [PASS]):
+            assert restored.predict(prompt, path) == router.predict(prompt, path)
+    restored.rebuild()
+    router.rebuild()
+    assert restored.serialize() == router.serialize()  # the history came along
+
+
+@pytest.mark.parametrize(
+    "damage", [lambda b: b[:-1], lambda b: b + b"\0", lambda b: b"XXXX" + b[4:], lambda b: b""]
+)
+def test_restore_rejects_damaged_state_and_keeps_its_own(damage) -> None:
+    router = make_router()
+    learn(router, "p", [FAIL], [100, 50])
+    state = router.serialize()
+    with pytest.raises(ValueError):
+        router.restore(damage(state))
+    assert router.serialize() == state
+
+
+def test_merge_adds_up_what_each_controller_learned() -> None:
+    first, second = make_router(), make_router()
+    for _ in range(3):
+        learn(first, "a", [FAIL], [5010, 5000])
+    for _ in range(2):
+        learn(second, "b", [FAIL], [60, 50])
+        learn(second, "a", [FAIL], [2010, 2000])
+    first.merge(second.serialize())
+    a = first.predict("a", [FAIL])
+    assert (a.count, a.mean_remaining_tokens) == (5, 3800)
+    assert first.predict("b", [FAIL]).count == 2
+    assert first.predict("unseen", []).count == 7
+
+
+def test_unknown_ids_and_duplicates() -> None:
+    router = make_router()
+    router.admit("t", "p")
+    with pytest.raises(ValueError):
+        router.admit("t", "p")
+    with pytest.raises(KeyError):
+        router.on_tool_return("nope", FAIL, 1)
+    with pytest.raises(KeyError):
+        router.set_instance_ready(99, True)
+    with pytest.raises(ValueError):
+        router.add_instance(0, 0)
+    with pytest.raises(ValueError):
+        router.add_instance(7, 3)
+    with pytest.raises(ValueError):
+        router.on_tool_return("t", FAIL, -1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"buckets": ()}, "cmlfq.buckets"),
+        ({"buckets": (BucketConfig("a", 1, 100), BucketConfig("a", 2, 200))}, "names must be unique"),
+        ({"buckets": (BucketConfig("a", 1, 200), BucketConfig("b", 2, 200))}, "strictly increase"),
+        ({"buckets": (BucketConfig("a", 0, 100),)}, "tp_size"),
+        ({"buckets": (BucketConfig("a", 1, 0),)}, "max_remaining_tokens"),
+        ({"small_payload_max_tokens": -1}, "cmlfq.small_payload_max_tokens"),
+        ({"medium_payload_max_tokens": 1000}, "cmlfq.medium_payload_max_tokens"),
+        ({"p90_window": 0}, "cmlfq.p90_window"),
+        ({"rebuild_window": 0}, "cmlfq.rebuild_window"),
+        ({"rebuild_interval": -1}, "cmlfq.rebuild_interval"),
+        ({"max_queue_length": 0}, "cmlfq.max_queue_length"),
+    ],
+)
+def test_bad_config_names_the_field(overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        CmlfqConfig(**overrides)
+
+
+def test_reason_codes_match_the_core() -> None:
+    assert [reason.name.lower() for reason in Reason] == _native.cmlfq_reason_names()
+
+
+def test_concurrent_callers_keep_the_load_table_consistent() -> None:
+    router = make_router((0, 0, 1, 2), max_queue_length=3)
+    for _ in range(5):
+        learn(router, "p", [FAIL], [5010, 5000])
+
+    def worker(name: str) -> None:
+        for i in range(300):
+            trajectory = f"{name}-{i}"
+            router.admit(trajectory, "p")
+            router.on_tool_return(trajectory, FAIL, 10)
+            router.on_finish(trajectory, 5010)
+
+    threads = [threading.Thread(target=worker, args=(f"w{n}",)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert router.num_live == 0
+    assert all(load.active == 0 for load in router.instance_loads())
+    assert router.predict("p", []).count == 5 + 4 * 300
