@@ -95,3 +95,16 @@ def profile_for(product_name: str) -> HardwareProfile | None:
             return None
         return profile
     return None
+
+
+def require_profile_for(product_name: str) -> HardwareProfile:
+    """`profile_for`, raising RuntimeError for a device without a profile rather than guessing
+    figures the planner would trust."""
+    profile = profile_for(product_name)
+    if profile is None:
+        known = ", ".join(p.name for p in KNOWN_PROFILES)
+        raise RuntimeError(
+            f"no hardware profile for {product_name!r} (known: {known}); "
+            "add one to libra/backends/profiles.py"
+        )
+    return profile

@@ -50,3 +50,17 @@ def restrict_visible_devices(
             f"({variable}={inherited!r})"
         )
     return ",".join(entries[i] for i in device_indices)
+
+
+def local_rank_device(num_visible: int, variable: str, kind: str) -> int | None:
+    """The device index torchrun's `LOCAL_RANK` selects among the `num_visible` devices this
+    process sees, or None when it is not set. Raises RuntimeError when it is out of range."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
+        return None
+    if not 0 <= int(local_rank) < num_visible:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this process sees {num_visible} {kind}(s) "
+            f"({variable}={os.environ.get(variable)!r})"
+        )
+    return int(local_rank)

@@ -13,8 +13,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from libra.backends.base import Availability, DeviceInfo, HardwareProfile
-from libra.backends.profiles import KNOWN_PROFILES, profile_for
-from libra.backends.visible_devices import restrict_visible_devices
+from libra.backends.profiles import require_profile_for
+from libra.backends.visible_devices import local_rank_device, restrict_visible_devices
 
 if TYPE_CHECKING:
     import torch
@@ -64,29 +64,15 @@ class CudaBackend:
     def hardware_profile(self) -> HardwareProfile:
         """The datasheet profile of GPU 0 (hosts are homogeneous). Raises RuntimeError for a GPU
         without a profile rather than guessing figures the planner would trust."""
-        product = self.devices()[0].kind
-        profile = profile_for(product)
-        if profile is None:
-            known = ", ".join(p.name for p in KNOWN_PROFILES)
-            raise RuntimeError(
-                f"no hardware profile for {product!r} (known: {known}); add one to libra/backends/profiles.py"
-            )
-        return profile
+        return require_profile_for(self.devices()[0].kind)
 
     def prepare_worker(self) -> None:
         """Makes GPU `LOCAL_RANK` (torchrun's variable) the current device when it is set;
         otherwise the worker keeps torch's default, its first visible GPU."""
         torch = self._require_torch_cuda()
-        local_rank = os.environ.get("LOCAL_RANK")
-        if local_rank is None:
-            return
-        count = torch.cuda.device_count()
-        if not 0 <= int(local_rank) < count:
-            raise RuntimeError(
-                f"LOCAL_RANK={local_rank} but this process sees {count} GPU(s) "
-                f"({VISIBLE_DEVICES_ENV}={os.environ.get(VISIBLE_DEVICES_ENV)!r})"
-            )
-        torch.cuda.set_device(int(local_rank))
+        index = local_rank_device(torch.cuda.device_count(), VISIBLE_DEVICES_ENV, "GPU")
+        if index is not None:
+            torch.cuda.set_device(index)
 
     def _require_torch_cuda(self) -> ModuleType:
         availability = self.availability()
