@@ -23,4 +23,5 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "Libra's native cores: C-MLFQ routing and weight resharding.";
   m.def("build_info", &libra::build_info, "Compiler and build flags of this extension.");
   libra::bind_cmlfq(m);
+  libra::bind_reshard(m);
 }

@@ -12,4 +12,7 @@ pybind11::dict build_info();
 // C-MLFQ: prefix trees, bucket routing and the instance load table (csrc/cmlfq/).
 void bind_cmlfq(pybind11::module_& m);
 
+// Resharding: transfer plans between TP layouts and their multi-threaded executor (csrc/reshard/).
+void bind_reshard(pybind11::module_& m);
+
 }  // namespace libra

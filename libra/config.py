@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libra.planner.config import PlannerConfig
+from libra.sync.config import SyncConfig
+from libra.training.config import TrainingConfig
 
 
 @dataclass
@@ -75,6 +77,8 @@ class LibraConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> LibraConfig:

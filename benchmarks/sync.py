@@ -1,0 +1,174 @@
+"""Resharding throughput: Megatron TP-t shards -> vLLM TP-k flat buffers through the C++ executor,
+against a plain copy of the same number of bytes (numpy.copyto and torch's copy_) in the same run.
+
+    python benchmarks/sync.py [--dtypes bf16,fp32] [--threads 1,2] [--repeats 5] [--layers 24]
+
+The model has Qwen2.5-0.5B's dimensions (H=896, 24 layers, nq=14, nkv=2, d=64, F=4864, V=151936,
+QKV bias, tied embeddings) with random weights. Each layout pair is timed writing every destination
+rank once into preallocated buffers (best of --repeats, interleaved with the baseline, after one
+warm-up); GB/s counts bytes written to the destination (copies plus zero fills). The baseline
+copies the same number of bytes into the same destination buffers from one contiguous source, one
+copy per rank, with the same thread count. Nothing else should run meanwhile; on the shared 2-core
+machines, say what did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from libra.sync import ModelShape, build_transfer_plan, execute, logical_tensors, megatron_layout, vllm_layout
+
+QWEN25_05B = ModelShape(
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    ffn_hidden_size=4864,
+    vocab_size=151936,
+    tie_embeddings=True,
+    qkv_bias=True,
+)
+# (Megatron TP, Megatron PP, vLLM TP). nq=14 rules out TP=4 on either side.
+LAYOUT_PAIRS = [(2, 1, 1), (1, 1, 2), (2, 2, 2), (1, 2, 1)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def best_seconds(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Best time of each function, measured interleaved so that load from other processes on the
+    shared machine hits all of them alike; one warm-up call each (page faults of fresh buffers are
+    not part of a steady-state publication)."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def random_shards(plan, dtype: torch.dtype) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        key: torch.empty(plan.source_numel(key), dtype=dtype).uniform_(-1, 1, generator=gen)
+        for key in plan.source_keys
+    }
+
+
+def baseline_copies(dsts: list[torch.Tensor], threads: int) -> dict[str, Callable[[], None]]:
+    """Plain copies of the same bytes into the same destination buffers, from one random source."""
+    outs = [d.view(torch.uint8) for d in dsts]
+    src = torch.empty(max(o.numel() for o in outs), dtype=torch.uint8).random_(0, 255)
+
+    def torch_copy() -> None:
+        for out in outs:
+            out.copy_(src[: out.numel()])
+
+    copies = {"torch copy_": torch_copy}
+    if threads == 1:  # numpy.copyto is single-threaded
+        pairs = [(o.numpy(), src[: o.numel()].numpy()) for o in outs]
+
+        def numpy_copy() -> None:
+            for out, part in pairs:
+                np.copyto(out, part)
+
+        copies["numpy.copyto"] = numpy_copy
+    return copies
+
+
+def bench_pair(
+    table: Table,
+    shape: ModelShape,
+    dtype_name: str,
+    pair: tuple[int, int, int],
+    thread_counts: list[int],
+    repeats: int,
+) -> None:
+    """One (Megatron TP, PP) -> vLLM TP row per thread count: plan time, executor and memcpy GB/s."""
+    tp, pp, dst_tp = pair
+    dtype = DTYPES[dtype_name]
+    start = time.perf_counter()
+    plan = build_transfer_plan(
+        megatron_layout(shape, tp, pp),
+        vllm_layout(shape, dst_tp),
+        logical_tensors(shape),
+        torch.empty((), dtype=dtype).element_size(),
+    )
+    plan_ms = (time.perf_counter() - start) * 1e3
+    num_runs = sum(len(plan.runs(r)) for r in range(dst_tp))
+    shards = random_shards(plan, dtype)
+    dsts = [torch.empty(plan.rank_numel(r), dtype=dtype) for r in range(dst_tp)]
+    total_bytes = sum(plan.rank_bytes(r) for r in range(dst_tp))
+    for threads in thread_counts:
+
+        def reshard(threads: int = threads) -> None:
+            for rank in range(dst_tp):
+                execute(plan, rank, shards, dsts[rank], num_threads=threads)
+
+        torch.set_num_threads(threads)
+        seconds = best_seconds({"reshard": reshard, **baseline_copies(dsts, threads)}, repeats)
+        gbps = total_bytes / seconds.pop("reshard") / 1e9
+        best_name, best = min(seconds.items(), key=lambda item: item[1])
+        best = total_bytes / best / 1e9
+        table.add_row(
+            dtype_name,
+            f"{tp},{pp} -> {dst_tp}",
+            f"{total_bytes / 1e9:.2f}",
+            f"{plan_ms:.0f}",
+            str(num_runs),
+            str(threads),
+            f"{gbps:.2f}",
+            f"{best:.2f} ({best_name})",
+            f"{gbps / best:.2f}",
+        )
+
+
+def run(shape: ModelShape, dtype_names: list[str], thread_counts: list[int], repeats: int) -> None:
+    console = Console(width=150)
+    table = Table(title=f"resharding {shape.num_layers}-layer Qwen2.5-0.5B-shaped model")
+    for column in (
+        "dtype",
+        "t,p -> k",
+        "GB",
+        "plan ms",
+        "runs",
+        "threads",
+        "reshard GB/s",
+        "memcpy GB/s",
+        "ratio",
+    ):
+        table.add_column(column, justify="right")
+    for dtype_name in dtype_names:
+        for tp, pp, dst_tp in LAYOUT_PAIRS:
+            bench_pair(table, shape, dtype_name, (tp, pp, dst_tp), thread_counts, repeats)
+    console.print(table)
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: fp32, bf16, fp16")
+    parser.add_argument("--threads", default="1,2", help="comma-separated executor/baseline thread counts")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=QWEN25_05B.num_layers,
+        help="fewer layers for a quick run (must stay even for the PP=2 pairs)",
+    )
+    args = parser.parse_args()
+    shape = ModelShape(**{**QWEN25_05B.__dict__, "num_layers": args.layers})
+    run(shape, args.dtypes.split(","), [int(t) for t in args.threads.split(",")], args.repeats)
+
+
+if __name__ == "__main__":
+    main()

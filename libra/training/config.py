@@ -1,0 +1,110 @@
+"""Training configuration: parallelism, optimizer, GRPO and staleness options.
+
+`TrainingConfig` is meant to become the `training` section of `LibraConfig`
+(`--training.tensor_parallel=2`, `--training.grpo.clip_high=0.28`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GrpoConfig:
+    """The GRPO objective (see `libra.training.grpo` for the formulas)."""
+
+    clip_low: float = 0.2
+    """Importance ratios below 1 - clip_low are clipped (for positive advantages: no gain)."""
+    clip_high: float = 0.2
+    """Upper clip 1 + clip_high. DAPO's clip-higher: set it above clip_low (e.g. 0.28)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference policy; 0 disables it (no reference pass)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 disables it."""
+    importance_cap: float = 2.0
+    """Truncation C of the importance weight min(pi_old / pi_rollout, C) that corrects for the
+    rollout engine's (possibly stale) sampling policy."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO); False: Dr. GRPO."""
+    std_eps: float = 1e-6
+    """Added to the group standard deviation before dividing."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"training.grpo.clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0:
+            raise ValueError(f"training.grpo.clip_high must be >= 0, got {self.clip_high}")
+        if self.kl_coef < 0:
+            raise ValueError(f"training.grpo.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"training.grpo.entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.importance_cap < 1:
+            raise ValueError(f"training.grpo.importance_cap must be >= 1, got {self.importance_cap}")
+        if self.std_eps <= 0:
+            raise ValueError(f"training.grpo.std_eps must be > 0, got {self.std_eps}")
+
+
+@dataclass
+class TrainingConfig:
+    """One training job: its parallelism, optimizer and RL options."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    dtype: str = "float32"
+    """Parameter dtype: `float32` or `bfloat16`."""
+    seed: int = 1234
+    """Same on every rank: Megatron builds full weights from it and slices them (equal TP=1/TP=k)."""
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Global gradient-norm clip across all ranks; 0 disables clipping."""
+    max_tokens_per_microbatch: int = 4096
+    """Token budget of one padded micro-batch (rows x longest row)."""
+    num_minibatches: int = 1
+    """Optimizer steps per train step; the batch is split into this many mini-batches."""
+    recompute_old_logprobs: bool = True
+    """Recompute pi_old under the current weights at the start of a step (the ratio's
+    denominator); False: use the rollout engine's logprobs as pi_old."""
+    max_staleness: int = 1
+    """Trajectories whose oldest token came from a policy more than this many versions behind the
+    trainer are dropped; also bounds how many rollouts may be in flight."""
+    train_batch_size: int = 64
+    """Trajectories consumed per train step (the staleness gate's capacity unit)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no learning signal) before training."""
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_parallel",
+            "pipeline_parallel",
+            "data_parallel",
+            "num_minibatches",
+            "train_batch_size",
+            "max_tokens_per_microbatch",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"training.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.lr <= 0:
+            raise ValueError(f"training.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"training.weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ValueError(f"training.adam_eps must be > 0, got {self.adam_eps}")
+        if self.grad_clip < 0:
+            raise ValueError(f"training.grad_clip must be >= 0, got {self.grad_clip}")
+        if self.max_staleness < 0:
+            raise ValueError(f"training.max_staleness must be >= 0, got {self.max_staleness}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel

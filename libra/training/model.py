@@ -1,0 +1,212 @@
+"""A Megatron-core `GPTModel` from a Hugging Face config (Llama, Qwen2, Qwen3).
+
+`ModelArchitecture` is the part of an HF config that decides Megatron's layout; it is what the
+weight converter (`hf_weights`) needs too. All three families are pre-norm decoders with RMSNorm,
+SwiGLU, RoPE (rotate-half, i.e. Megatron's non-interleaved rotary) and GQA; they differ in
+QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), an explicit head_dim (Qwen3) and tied embeddings.
+
+Transformer-Engine specs are used when TE is importable and the model lives on a GPU; the local
+spec otherwise (the CPU). The two name the norms differently (see `hf_weights`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+VOCAB_DIVISIBLE_BY = 128
+"""Megatron's `make_vocab_size_divisible_by` default: the padded vocab is a multiple of this x TP."""
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_query_groups}"
+            )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> ModelArchitecture:
+        """From a `transformers` config object or its `to_dict()`."""
+        cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=True is not supported")
+        rope = cfg.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default" or cfg.get("rope_scaling"):
+            raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported (only 'default')")
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta") or 10000.0)
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if model_type == "qwen2":
+            qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias.
+        else:
+            qkv_bias = bool(cfg.get("attention_bias", False))
+            if qkv_bias:
+                raise ValueError("attention_bias=True (with an o_proj bias) is not supported")
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            ffn_hidden_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_query_groups=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """Megatron pads the vocabulary so that every TP rank holds an equal, aligned slice."""
+    multiple = VOCAB_DIVISIBLE_BY * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_parallelism(arch: ModelArchitecture, tensor_parallel: int, pipeline_parallel: int) -> None:
+    """Raises ValueError naming the option when the model cannot be split this way."""
+    if arch.num_query_groups % tensor_parallel:
+        raise ValueError(
+            f"training.tensor_parallel={tensor_parallel} must divide "
+            f"num_key_value_heads={arch.num_query_groups}"
+        )
+    if arch.ffn_hidden_size % tensor_parallel:
+        raise ValueError(
+            f"training.tensor_parallel={tensor_parallel} must divide intermediate_size={arch.ffn_hidden_size}"
+        )
+    if arch.num_layers % pipeline_parallel:
+        raise ValueError(
+            f"training.pipeline_parallel={pipeline_parallel} must divide num_hidden_layers={arch.num_layers}"
+        )
+
+
+def transformer_engine_usable(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+
+
+def build_transformer_config(
+    arch: ModelArchitecture, tensor_parallel: int, pipeline_parallel: int, dtype: torch.dtype = torch.float32
+):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_parallelism(arch, tensor_parallel, pipeline_parallel)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # Full weights are built on every rank from the same seed and sliced: TP=1 and TP=k
+        # start bit-identical (reference/megatron-cpu.md).
+        use_cpu_initialization=True,
+        # Fused kernels are CUDA-only; their unfused versions are what HF computes.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # Megatron's default softmax runs in the params dtype; fp32 keeps bf16 logprobs stable.
+        attention_softmax_in_fp32=True,
+    )
+
+
+def build_gpt_model(
+    arch: ModelArchitecture,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    pre_process: bool,
+    post_process: bool,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+):
+    """One pipeline stage of the model on this rank. Needs `parallel.initialize` first."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    device = device or torch.device("cpu")
+    config = build_transformer_config(arch, tensor_parallel, pipeline_parallel, dtype)
+    if transformer_engine_usable(device):
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    # On the CPU, tied embeddings with PP > 1 rely on the cpu backend's patch 5
+    # (`libra.backends.cpu_megatron_patches`), applied by `prepare_worker`.
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, tensor_parallel),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+    )
+    return model.to(device)
+

@@ -1,0 +1,115 @@
+"""The bounded-staleness gate: which trajectories training may use, and how many rollouts may run.
+
+Pure bookkeeping (no tensors, no clocks) with a serialisable state that is saved with every
+checkpoint.
+
+- Admission: a trajectory is admitted at trainer version v when every model token in it came from
+  a policy version >= v - max_staleness (its *oldest* version counts: a trajectory resumed across
+  a weight update carries several).
+- Capacity: rollouts may be started only while
+      started - dropped < (version + max_staleness + 1) * batch_size,
+  i.e. no rollout is begun that would be too stale by the time the trainer reaches it.
+- Restart: the counters and the version are persisted. Rollouts in flight at the checkpoint do
+  not survive a restart, so `load_state_dict` releases their slots by default; forgetting the
+  counters instead (the usual bug) lets the first post-restart round over-commit the rollout side
+  by version x batch_size trajectories, which then all arrive too stale and are wasted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StalenessState:
+    version: int = 0
+    """The trainer's policy version: the number of train steps taken."""
+    num_started: int = 0
+    """Rollouts started (slots acquired)."""
+    num_consumed: int = 0
+    """Trajectories trained on."""
+    num_dropped: int = 0
+    """Trajectories dropped: too stale, filtered, or lost in flight."""
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.num_started - self.num_consumed - self.num_dropped
+
+
+class StalenessGate:
+    def __init__(self, max_staleness: int, batch_size: int, state: StalenessState | None = None):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self.state = state or StalenessState()
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    def capacity(self) -> int:
+        """How many more rollouts may be started now."""
+        limit = (self.state.version + self.max_staleness + 1) * self.batch_size
+        return max(0, limit - (self.state.num_started - self.state.num_dropped))
+
+    def try_start(self, count: int = 1) -> int:
+        """Acquires up to `count` rollout slots; returns how many were granted."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        granted = min(count, self.capacity())
+        self.state.num_started += granted
+        return granted
+
+    def is_fresh(self, oldest_policy_version: int | None) -> bool:
+        """Within `max_staleness` of the trainer. A trajectory with no model tokens (None) is
+        fresh: nothing in it was sampled by an old policy."""
+        if oldest_policy_version is None:
+            return True
+        if oldest_policy_version > self.state.version:
+            raise ValueError(
+                f"trajectory policy version {oldest_policy_version} is ahead of the trainer's "
+                f"{self.state.version}"
+            )
+        return self.state.version - oldest_policy_version <= self.max_staleness
+
+    def admit(self, oldest_versions: list[int | None]) -> list[bool]:
+        """Decides each finished trajectory; rejected ones free their slots (counted dropped).
+        Trajectories beyond those in flight were started without a slot (outside the gate): they
+        are counted as started on arrival, so the counters stay consistent."""
+        unaccounted = len(oldest_versions) - self.state.num_in_flight
+        if unaccounted > 0:
+            self.state.num_started += unaccounted
+        decisions = [self.is_fresh(v) for v in oldest_versions]
+        self.state.num_dropped += decisions.count(False)
+        return decisions
+
+    def drop(self, count: int) -> None:
+        """Frees slots of trajectories discarded for another reason (e.g. dynamic sampling)."""
+        self.state.num_dropped += count
+
+    def on_train_step(self, num_consumed: int) -> int:
+        """Records a train step over `num_consumed` admitted trajectories; returns the new version."""
+        self.state.num_consumed += num_consumed
+        self.state.version += 1
+        return self.state.version
+
+    def state_dict(self) -> dict[str, int]:
+        return {**asdict(self.state), "max_staleness": self.max_staleness, "batch_size": self.batch_size}
+
+    def load_state_dict(self, saved: dict[str, int], release_in_flight: bool = True) -> None:
+        """Restores the counters and version. `release_in_flight`: rollouts in flight when the state
+        was saved are gone after a restart; count them dropped so their slots return."""
+        state = StalenessState(
+            version=saved["version"],
+            num_started=saved["num_started"],
+            num_consumed=saved["num_consumed"],
+            num_dropped=saved["num_dropped"],
+        )
+        if state.num_in_flight < 0:
+            raise ValueError(f"inconsistent staleness state {saved}: more finished than started")
+        if release_in_flight:
+            state.num_dropped += state.num_in_flight
+        self.state = state

@@ -1,0 +1,224 @@
+"""The train rank's gRPC service (`TrainRank`) and its process entry point.
+
+    python -m libra.training.worker --hf-model DIR --rank R --world-size W --master-port P \
+        [--tensor-parallel T] [--pipeline-parallel P] [--training JSON] [--port 0] [--port-file F]
+
+One process hosts one Megatron rank. The controller calls every rank of the job with the same
+requests in the same order; a lock serialises calls inside a rank, because the engine's
+collectives must line up across ranks. Trajectories are converted from proto once, here.
+The bearer token comes from LIBRA_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+from libra.control.convert import InvalidArgument
+from libra.control.server import rpc_errors
+from libra.training.config import GrpoConfig, TrainingConfig
+from libra.trajectory import TOOL_TOKEN_VERSION, Trajectory
+
+
+def trajectory_from_proto(msg) -> Trajectory:
+    t = Trajectory(
+        trajectory_id=msg.trajectory_id,
+        prompt_id=msg.group_id,
+        group_id=msg.group_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        response_token_ids=list(msg.response_token_ids),
+        loss_mask=list(msg.loss_mask),
+        rollout_logprobs=list(msg.rollout_logprobs),
+        policy_versions=list(msg.policy_versions),
+        reward=msg.reward if msg.has_reward else None,
+    )
+    n = len(t.response_token_ids)
+    if not (len(t.loss_mask) == len(t.rollout_logprobs) == len(t.policy_versions) == n):
+        raise InvalidArgument(
+            f"trajectories[{msg.trajectory_id}]: {n} response tokens, {len(t.loss_mask)} loss_mask, "
+            f"{len(t.rollout_logprobs)} rollout_logprobs, {len(t.policy_versions)} policy_versions"
+        )
+    if any(v < TOOL_TOKEN_VERSION for v in t.policy_versions):
+        raise InvalidArgument(f"trajectories[{msg.trajectory_id}].policy_versions has values below -1")
+    return t
+
+
+def trajectory_to_proto(t: Trajectory):
+    from libra.v1 import training_pb2
+
+    return training_pb2.TrainTrajectory(
+        trajectory_id=t.trajectory_id,
+        group_id=t.group_id,
+        prompt_token_ids=t.prompt_token_ids,
+        response_token_ids=t.response_token_ids,
+        loss_mask=t.loss_mask,
+        rollout_logprobs=t.rollout_logprobs,
+        policy_versions=t.policy_versions,
+        reward=t.reward or 0.0,
+        has_reward=t.reward is not None,
+    )
+
+
+def training_config_from_json(text: str, **parallel: int) -> TrainingConfig:
+    """TrainingConfig from a JSON object of its fields (nested `grpo`); unknown fields are errors."""
+    raw = json.loads(text) if text else {}
+    if not isinstance(raw, dict):
+        raise ValueError("--training must be a JSON object")
+    grpo = raw.pop("grpo", {})
+    for cls, values, prefix in ((TrainingConfig, raw, "training"), (GrpoConfig, grpo, "training.grpo")):
+        known = {f.name for f in fields(cls) if not is_dataclass(f.type)}
+        unknown = set(values) - known - ({"grpo"} if cls is TrainingConfig else set())
+        if unknown:
+            raise ValueError(f"unknown {prefix} options {sorted(unknown)}")
+    return TrainingConfig(**raw, **parallel, grpo=GrpoConfig(**grpo))
+
+
+class TrainRankServicer:
+    def __init__(self, engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+
+    def _trajectories(self, request) -> list[Trajectory]:
+        if not request.trajectories:
+            raise InvalidArgument("trajectories must not be empty")
+        return [trajectory_from_proto(m) for m in request.trajectories]
+
+    def _run(self, fn, *args):
+        try:
+            with self._lock:
+                return fn(*args)
+        except InvalidArgument:
+            raise
+        except ValueError as e:  # bad batches (stale versions ahead of the trainer, shapes)
+            raise InvalidArgument(str(e)) from e
+
+    @rpc_errors
+    def ComputeLogprobs(self, request, context):
+        from libra.v1 import training_pb2
+
+        logprobs = self._run(self.engine.compute_logprobs, self._trajectories(request))
+        return training_pb2.ComputeLogprobsReply(
+            trajectories=[training_pb2.TokenLogprobs(logprobs=row) for row in logprobs]
+        )
+
+    @rpc_errors
+    def TrainStep(self, request, context):
+        from libra.v1 import training_pb2
+
+        r = self._run(self.engine.train_step, self._trajectories(request))
+        return training_pb2.TrainStepReply(
+            version=r.version,
+            loss=r.loss,
+            pg_loss=r.pg_loss,
+            kl=r.kl,
+            entropy=r.entropy,
+            clip_fraction=r.clip_fraction,
+            grad_norm=r.grad_norm,
+            num_tokens=r.num_tokens,
+            num_trajectories=r.num_trajectories,
+            num_dropped_stale=r.num_dropped_stale,
+            num_dropped_no_variance=r.num_dropped_no_variance,
+            rollout_capacity=self.engine.gate.capacity(),
+        )
+
+    @rpc_errors
+    def SaveCheckpoint(self, request, context):
+        from libra.v1 import training_pb2
+
+        if not request.directory:
+            raise InvalidArgument("directory must be set")
+        self._run(self.engine.save_checkpoint, request.directory)
+        return training_pb2.CheckpointReply(version=self.engine.version)
+
+    @rpc_errors
+    def LoadCheckpoint(self, request, context):
+        from libra.v1 import training_pb2
+
+        if not Path(request.directory, "metadata.json").is_file():
+            raise InvalidArgument(f"directory {request.directory!r} holds no checkpoint")
+        self._run(self.engine.load_checkpoint, request.directory)
+        return training_pb2.CheckpointReply(version=self.engine.version)
+
+    @rpc_errors
+    def ExportWeights(self, request, context):
+        from safetensors.torch import save
+
+        from libra.v1 import training_pb2
+
+        tensors = self._run(self.engine.export_hf)
+        return training_pb2.ExportWeightsReply(version=self.engine.version, safetensors=save(tensors))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m libra.training.worker", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--hf-model", required=True, help="HF model folder (config.json + safetensors)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--pipeline-parallel", type=int, default=1)
+    parser.add_argument("--training", default="", help="JSON object of TrainingConfig fields")
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port-file", default=None, help="written with the bound port once serving")
+    args = parser.parse_args(argv)
+
+    from libra.backends import get_backend
+
+    backend = get_backend(args.backend)
+    backend.prepare_worker()
+    from transformers import AutoConfig
+
+    from libra.config import ControlConfig
+    from libra.control.server import start_server
+    from libra.training.engine import TrainEngine
+    from libra.training.hf_weights import hf_tensor_reader
+    from libra.training.model import ModelArchitecture
+    from libra.training.parallel import initialize
+    from libra.v1 import training_pb2, training_pb2_grpc
+
+    tp, pp = args.tensor_parallel, args.pipeline_parallel
+    cfg = training_config_from_json(
+        args.training, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=args.world_size // (tp * pp)
+    )
+    info = initialize(
+        tp,
+        pp,
+        rank=args.rank,
+        world_size=args.world_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        backend=backend.distributed_backend,
+        seed=cfg.seed,
+    )
+    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(args.hf_model))
+    engine = TrainEngine(arch, cfg, info, device=backend.torch_device(0))
+    engine.load_hf(hf_tensor_reader(args.hf_model))
+    token = os.environ.get("LIBRA_TOKEN")
+    if not token:
+        raise SystemExit("LIBRA_TOKEN must be set")
+    servicer = TrainRankServicer(engine)
+
+    def add(server):
+        training_pb2_grpc.add_TrainRankServicer_to_server(servicer, server)
+        return [training_pb2.DESCRIPTOR.services_by_name["TrainRank"].full_name]
+
+    running = start_server(ControlConfig(), token, add, host=args.host, port=args.port)
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(running.port))
+        tmp.rename(args.port_file)
+    print(f"train rank {args.rank} serving on {args.host}:{running.port}", flush=True)
+    running.server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    main()
