@@ -25,8 +25,14 @@ reference/megatron-cpu.md have the full inventory):
    they are NOT covered: training code on the CPU uses its own loop and a torch optimizer.
 4. `torch.cuda.synchronize` is a no-op (pipeline p2p with `batch_p2p_sync`, timers): there is
    nothing to wait for on the CPU.
+5. Tied embeddings with PP > 1: `LanguageModule.setup_embeddings_and_output_layer`
+   (models/common/language_module/language_module.py:244) moves the last stage's copy of the
+   word embeddings with `weight.data.cuda()` before all-reducing it with the first stage. While
+   that method runs, and only in the thread running it, `Tensor.cuda()` returns the CPU tensor
+   itself (a `TorchFunctionMode`, which is thread-local and costs nothing outside model
+   construction). Swapping `torch.Tensor.cuda` process-wide would also hit other threads.
 
-Patches 2 and 3 change Megatron modules. Importing megatron.core costs ~4 s, which a rollout
+Patches 2, 3 and 5 change Megatron modules. Importing megatron.core costs ~4 s, which a rollout
 worker that never trains should not pay, so modules not yet imported are patched by an import hook
 right after they execute; that also means every later `from ... import name` sees the patched
 names (fused_softmax imports the mask builders by name).
@@ -49,7 +55,7 @@ _PATCHED_ATTR = "_libra_cpu_patch"
 
 
 def apply() -> None:
-    """Applies the four patches (idempotent): torch.cuda now, Megatron modules now if imported,
+    """Applies the five patches (idempotent): torch.cuda now, Megatron modules now if imported,
     else when they are imported."""
     _patch_torch_cuda()
     for module_name, patch in _MODULE_PATCHES.items():
@@ -190,9 +196,34 @@ def _patch_mask_module(transformer_utils: ModuleType) -> None:
         module.get_sliding_window_causal_mask = _sliding_window_causal_mask
 
 
+# -- patch 5: `.cuda()` while tying the embeddings of the first and last pipeline stages --------
+
+
+class _CudaCallKeepsCpuTensor(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _patch_language_module(language_module: ModuleType) -> None:
+    """Patches `megatron.core.models.common.language_module.language_module`."""
+    cls = language_module.LanguageModule
+    original = cls.setup_embeddings_and_output_layer
+    if _is_marked(original):
+        return
+
+    def setup_embeddings_and_output_layer(self, *args: Any, **kwargs: Any) -> None:
+        with _CudaCallKeepsCpuTensor():
+            return original(self, *args, **kwargs)
+
+    cls.setup_embeddings_and_output_layer = _mark(setup_embeddings_and_output_layer)
+
+
 _MODULE_PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "megatron.core.tensor_parallel.random": _patch_rng_module,
     "megatron.core.transformer.utils": _patch_mask_module,
+    "megatron.core.models.common.language_module.language_module": _patch_language_module,
 }
 
 
