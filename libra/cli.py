@@ -111,6 +111,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from libra.sim import load_sim_config, run_comparison
+    from libra.sim.report import markdown_report, write_report
+
+    config = load_sim_config(args.sim_config)
+    if args.steps:
+        config = dataclasses.replace(config, num_steps=args.steps)
+    if args.policies:
+        config = dataclasses.replace(config, policies=tuple(args.policies.split(",")))
+    comparison = run_comparison(config)
+    if args.out:
+        print(f"report written to {write_report(comparison, args.out, plots=not args.no_plots)}")
+    else:
+        print(markdown_report(comparison))
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from libra.tasks.tiny_model import TinyModelSpec, make_tiny_model
+
+    if not args.random:
+        raise ValueError("only --random models can be made so far (trained tiny models come with the tasks)")
+    spec = TinyModelSpec(
+        arch=args.arch,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        seed=args.seed,
+    )
+    out = make_tiny_model(args.dir, spec)
+    print(f"tiny {spec.arch} model written to {out}", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="libra", description="Agentic RL post-training runtime.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -137,6 +173,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the planner's plan and predicted times for a cluster description")
     p.add_argument("planner_config", metavar="CONFIG", help="Python file defining planning_problem()")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="simulate the policies of a cluster config and compare them")
+    p.add_argument("sim_config", metavar="CONFIG", help="Python file defining sim_config()")
+    p.add_argument("--out", help="folder for report.md and PNG plots (default: print the report)")
+    p.add_argument("--steps", type=int, default=0, help="override num_steps")
+    p.add_argument("--policies", help="comma-separated policy names (default: the config's)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("make-tiny-model", help="build a tiny model with a locally trained tokenizer into DIR")
+    p.add_argument("dir", metavar="DIR", help="output folder (HF: safetensors, tokenizer, chat template)")
+    p.add_argument("--random", action="store_true", help="random weights (required for now)")
+    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
     return parser
 
 

@@ -27,7 +27,7 @@ by bisection: first over the sorted T_train values (training-bound optima are hi
 inside the bracketing interval where A is constant, over T itself down to a relative
 `relative_tolerance`. The returned objective is that of a concrete feasible plan, and no plan
 of the space is better by more than the tolerance. Devices the rollout optimum leaves over are
-then given, one instance at a time, to the slowest bucket that still gains from it.
+then given to rollout instances (`_spend_leftover`).
 """
 
 from __future__ import annotations
@@ -281,7 +281,12 @@ def search(
 
 
 def _spend_leftover(space: RolloutSpace, buckets: list[BucketChoice], budget: int) -> list[BucketChoice]:
-    """Adds instances to the slowest bucket while the devices last and it still gets faster."""
+    """Gives the devices the optimum leaves over to rollout, one instance at a time: first to the
+    slowest bucket while that still shortens the predicted makespan; then, when the makespan is
+    bound by its slowest request's latency, to the bucket with the most work per instance. The
+    min-max objective cannot see that second gain, but an asynchronous run turns rollout
+    capacity into throughput (more trajectories in flight against the staleness bound), so an
+    idle device is never better than one more instance."""
     buckets = list(buckets)
     left = budget - sum(b.tp * b.num_instances for b in buckets)
     while buckets:
@@ -293,7 +298,18 @@ def _spend_leftover(space: RolloutSpace, buckets: list[BucketChoice], budget: in
             break
         buckets[i] = BucketChoice(b.tp, b.first, b.end, b.num_instances + 1)
         left -= b.tp
-    return buckets
+    while True:
+        fitting = [i for i, b in enumerate(buckets) if b.first < b.end and b.tp <= left]
+        if not fitting:
+            return buckets
+        i = max(fitting, key=lambda i: _work_per_instance(space, buckets[i]))
+        b = buckets[i]
+        buckets[i] = BucketChoice(b.tp, b.first, b.end, b.num_instances + 1)
+        left -= b.tp
+
+
+def _work_per_instance(space: RolloutSpace, bucket: BucketChoice) -> float:
+    return float(space.work[bucket.tp][bucket.first : bucket.end].sum()) / bucket.num_instances
 
 
 def _assemble(

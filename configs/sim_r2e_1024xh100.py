@@ -1,0 +1,18 @@
+"""Qwen3-14B on 128 nodes x 8 H100, R2E-like workload with drift: scale-out, where the
+planner's search time matters (it runs inside the loop at every re-plan)."""
+
+from libra.planner.config import PlannerConfig, TrainingBatch, TriggerPolicy
+from libra.sim.config import SimConfig
+from libra.sim.workloads import WorkloadConfig
+
+
+def sim_config() -> SimConfig:
+    return SimConfig(
+        name="r2e-1024xh100",
+        profile="h100",
+        num_nodes=128,
+        batch=TrainingBatch(global_batch=2048, group_size=8, activation_recompute=True, max_staleness=2),
+        workload=WorkloadConfig(name="r2e", group_size=8, num_prompts=20000),
+        planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
+        num_steps=20,
+    )

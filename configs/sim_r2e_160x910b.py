@@ -1,0 +1,17 @@
+"""Qwen3-14B on 20 nodes x 8 Ascend 910B, R2E-like workload with drift."""
+
+from libra.planner.config import PlannerConfig, TrainingBatch, TriggerPolicy
+from libra.sim.config import SimConfig
+from libra.sim.workloads import WorkloadConfig
+
+
+def sim_config() -> SimConfig:
+    return SimConfig(
+        name="r2e-160x910b",
+        profile="ascend910b",
+        num_nodes=20,
+        batch=TrainingBatch(global_batch=512, group_size=4, activation_recompute=True, max_staleness=2),
+        workload=WorkloadConfig(name="r2e", group_size=4, num_prompts=4000),
+        planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
+        num_steps=50,
+    )

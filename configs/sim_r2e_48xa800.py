@@ -1,0 +1,19 @@
+"""Qwen3-14B on 6 nodes x 8 A800, R2E-like workload with drift: the original's main setting
+(`reference/libra-notes.md` §7). Run with `libra simulate configs/sim_r2e_48xa800.py`."""
+
+from libra.planner.config import PlannerConfig, TrainingBatch, TriggerPolicy
+from libra.sim.config import SimConfig
+from libra.sim.workloads import WorkloadConfig
+
+
+def sim_config() -> SimConfig:
+    return SimConfig(
+        name="r2e-48xa800",
+        profile="a800",
+        num_nodes=6,
+        batch=TrainingBatch(global_batch=128, group_size=4, activation_recompute=True, max_staleness=2),
+        workload=WorkloadConfig(name="r2e", group_size=4),
+        # The original's 48-GPU experiment re-plans every 5 steps.
+        planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
+        num_steps=100,
+    )

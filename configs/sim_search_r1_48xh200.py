@@ -1,0 +1,17 @@
+"""Qwen3-14B on 6 nodes x 8 H200, Search-R1-like workload (many short retrieval turns)."""
+
+from libra.planner.config import PlannerConfig, TrainingBatch, TriggerPolicy
+from libra.sim.config import SimConfig
+from libra.sim.workloads import WorkloadConfig
+
+
+def sim_config() -> SimConfig:
+    return SimConfig(
+        name="search-r1-48xh200",
+        profile="h200",
+        num_nodes=6,
+        batch=TrainingBatch(global_batch=256, group_size=8, activation_recompute=True, max_staleness=2),
+        workload=WorkloadConfig(name="search_r1", group_size=8),
+        planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
+        num_steps=100,
+    )

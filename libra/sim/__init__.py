@@ -1,0 +1,52 @@
+"""The discrete-event cluster simulator: drives the real C-MLFQ router, staleness gate and
+planner with simulated rollout instances and training steps.
+
+Owns the trace format (`trace`, JSONL, derivable from a real `Trajectory`), workload generators
+with long tails and drift (`workloads`), the simulated instance (`instance`: continuous batching
+over the planner's rollout cost model), the event engine (`engine`), the RL loop of each compared
+policy (`loop`, `pools`), metrics, the markdown/PNG report, and the calibration path
+(`calibration`). `libra simulate CONFIG` runs `configs/sim_*.py`.
+"""
+
+from libra.sim.config import (
+    ABLATIONS,
+    BASELINES,
+    POLICIES,
+    MovementCosts,
+    PolicySpec,
+    SimConfig,
+    load_sim_config,
+)
+from libra.sim.metrics import SimResult
+from libra.sim.runner import Comparison, run_comparison
+from libra.sim.trace import (
+    TrajectoryTrace,
+    TurnTiming,
+    TurnTrace,
+    read_traces,
+    trace_from_trajectory,
+    write_traces,
+)
+from libra.sim.workloads import WORKLOADS, WorkloadConfig, WorkloadGenerator
+
+__all__ = [
+    "ABLATIONS",
+    "BASELINES",
+    "POLICIES",
+    "WORKLOADS",
+    "Comparison",
+    "MovementCosts",
+    "PolicySpec",
+    "SimConfig",
+    "SimResult",
+    "TrajectoryTrace",
+    "TurnTiming",
+    "TurnTrace",
+    "WorkloadConfig",
+    "WorkloadGenerator",
+    "load_sim_config",
+    "read_traces",
+    "run_comparison",
+    "trace_from_trajectory",
+    "write_traces",
+]

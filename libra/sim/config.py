@@ -1,0 +1,273 @@
+"""Typed configuration of a simulation: the cluster, model, batch and workload, the costs of
+moving things around, and the policies to compare.
+
+A simulation config file is a Python file defining `sim_config() -> SimConfig`
+(`configs/sim_*.py`); `libra simulate CONFIG` runs it. `SimConfig` is also the `sim` section the
+lead may add to `LibraConfig`.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libra.backends.base import HardwareProfile
+from libra.backends.profiles import A800_SXM4_80GB, ASCEND_910B, H100_SXM_80GB, H200_SXM_141GB
+from libra.planner.config import ClusterSpec, ModelArch, PlannerConfig, TrainingBatch
+from libra.planner.cost_model import EfficiencyFactors
+from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
+from libra.sim.workloads import WorkloadConfig
+
+PROFILES: dict[str, HardwareProfile] = {
+    "a800": A800_SXM4_80GB,
+    "h100": H100_SXM_80GB,
+    "h200": H200_SXM_141GB,
+    "ascend910b": ASCEND_910B,
+}
+
+QWEN3_14B = ModelArch(
+    num_layers=40,
+    hidden_size=5120,
+    num_attention_heads=40,
+    num_kv_heads=8,
+    ffn_hidden_size=17408,
+    vocab_size=151936,
+    head_dim=128,
+    num_params=14_770_000_000,
+)
+
+
+class Mode(enum.Enum):
+    COLOCATED_SYNC = "colocated_sync"
+    """Rollout, then training, on the same devices (verl's hybrid engine)."""
+    DISAGGREGATED_ASYNC = "disaggregated_async"
+    """Separate training and rollout devices; rollout runs ahead by at most max_staleness versions."""
+
+
+class Pool(enum.Enum):
+    HOMOGENEOUS = "homogeneous"
+    """Every rollout instance has the one TP size with the best per-device throughput."""
+    PLANNED = "planned"
+    """The planner's initial plan: its split, TP buckets and thresholds."""
+    FIXED_PATTERN = "fixed_pattern"
+    """The original's hand-made layout: 2/3 of the nodes train, each rollout node holds TP sizes
+    `SimConfig.fixed_node_pattern`."""
+
+
+class RouterKind(enum.Enum):
+    LEAST_LOAD = "least_load"
+    LENGTH_MLFQ = "length_mlfq"
+    CMLFQ = "cmlfq"
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One system to simulate."""
+
+    name: str
+    mode: Mode
+    pool: Pool
+    router: RouterKind
+    replan: bool = False
+    """The planner re-plans every plan_interval steps (or on pressure) from the measured history."""
+    elastic: bool = False
+    """Training grows and shrinks by whole DP replicas through the elastic hybrid pool (cheap,
+    non-blocking); without it a changed training size restarts training from a checkpoint."""
+    tail_batching: bool = False
+    """RollPacker-style: over-provision prompts, keep the first to finish, defer the rest to
+    dedicated long rounds (synchronous mode only)."""
+    max_staleness: int | None = None
+    """None: the config's batch.max_staleness (ignored in synchronous mode)."""
+    description: str = ""
+
+
+POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec(
+            "colocated_sync",
+            Mode.COLOCATED_SYNC,
+            Pool.HOMOGENEOUS,
+            RouterKind.LEAST_LOAD,
+            description="verl-style: rollout then train on all devices, least-load routing",
+        ),
+        PolicySpec(
+            "disaggregated_static",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.HOMOGENEOUS,
+            RouterKind.LEAST_LOAD,
+            max_staleness=1,
+            description="static split (the planner's initial one), homogeneous rollout, one-step off-policy",
+        ),
+        PolicySpec(
+            "length_mlfq",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.PLANNED,
+            RouterKind.LENGTH_MLFQ,
+            description="the planned TP buckets, static, demotion by generated length",
+        ),
+        PolicySpec(
+            "tail_batching",
+            Mode.COLOCATED_SYNC,
+            Pool.HOMOGENEOUS,
+            RouterKind.LEAST_LOAD,
+            tail_batching=True,
+            description="RollPacker-style synchronous rounds with over-provisioning and long rounds",
+        ),
+        PolicySpec(
+            "libra_no_cmlfq",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.PLANNED,
+            RouterKind.LEAST_LOAD,
+            replan=True,
+            elastic=True,
+            description="Libra with least-load routing instead of C-MLFQ",
+        ),
+        PolicySpec(
+            "libra_no_elastic",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.PLANNED,
+            RouterKind.CMLFQ,
+            replan=True,
+            elastic=False,
+            description="Libra whose re-splits restart training",
+        ),
+        PolicySpec(
+            "libra_no_planner",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.FIXED_PATTERN,
+            RouterKind.CMLFQ,
+            description="Libra on the original's fixed layout, never re-planned",
+        ),
+        PolicySpec(
+            "libra",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.PLANNED,
+            RouterKind.CMLFQ,
+            replan=True,
+            elastic=True,
+            description="C-MLFQ + planner + elastic hybrid pool",
+        ),
+    )
+}
+
+BASELINES = ("colocated_sync", "disaggregated_static", "length_mlfq", "tail_batching")
+ABLATIONS = ("libra_no_cmlfq", "libra_no_elastic", "libra_no_planner")
+
+
+@dataclass(frozen=True)
+class MovementCosts:
+    """Seconds that reconfiguration and stage switches take (the paper does not publish them;
+    these are the orders of magnitude peers report, see `reference/peers.md`)."""
+
+    instance_start_s: float = 20.0
+    """A new rollout instance loads weights and warms up before it takes requests."""
+    hybrid_join_s: float = 10.0
+    """An elastic-pool replica fetches the training state before contributing gradients
+    (training keeps stepping meanwhile)."""
+    restart_training_s: float = 120.0
+    """Checkpoint, stop and relaunch training with a new layout (training stalls)."""
+    colocate_switch_s: float = 6.0
+    """Colocated mode: offload/onload engines between the two stages, per stage switch."""
+    migration: str = "reprefill"
+    """How a migrated trajectory's context reaches its new instance: `reprefill` (the original's
+    main path) or `kv_move` (KV bytes over the inter-node links)."""
+    tail_overprovision: float = 1.25
+    """Tail batching: prompts launched per round over prompts kept."""
+
+    def __post_init__(self) -> None:
+        for name in ("instance_start_s", "hybrid_join_s", "restart_training_s", "colocate_switch_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sim.costs.{name} must be >= 0, got {getattr(self, name)}")
+        if self.migration not in ("reprefill", "kv_move"):
+            raise ValueError(f"sim.costs.migration must be 'reprefill' or 'kv_move', got {self.migration!r}")
+        if self.tail_overprovision < 1:
+            raise ValueError(f"sim.costs.tail_overprovision must be >= 1, got {self.tail_overprovision}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated comparison."""
+
+    name: str = "sim"
+    profile: str = "a800"
+    """Hardware profile: one of `PROFILES`."""
+    num_nodes: int = 6
+    devices_per_node: int = 8
+    model: ModelArch = QWEN3_14B
+    batch: TrainingBatch = field(
+        default_factory=lambda: TrainingBatch(
+            global_batch=128, group_size=4, activation_recompute=True, max_staleness=2
+        )
+    )
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    costs: MovementCosts = field(default_factory=MovementCosts)
+    num_steps: int = 100
+    """Training steps per policy."""
+    policies: tuple[str, ...] = tuple(POLICIES)
+    history_size: int = 256
+    """Finished trajectories the planner plans from (a preflight sample at the start)."""
+    cmlfq_max_queue_length: int = 0
+    """Live trajectories per instance before C-MLFQ falls back to another bucket; 0: derived
+    from the initial pool (twice the fair share of the trajectories in flight)."""
+    fixed_node_pattern: tuple[int, ...] = (1, 1, 2, 4)
+    fixed_train_fraction: float = 2 / 3
+    train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS
+    rollout_factors: EfficiencyFactors = DEFAULT_ROLLOUT_FACTORS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(f"sim.profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
+        if self.num_nodes < 1:
+            raise ValueError(f"sim.num_nodes must be >= 1, got {self.num_nodes}")
+        if self.num_steps < 1:
+            raise ValueError(f"sim.num_steps must be >= 1, got {self.num_steps}")
+        object.__setattr__(self, "policies", tuple(self.policies))
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown or not self.policies:
+            raise ValueError(
+                f"sim.policies must name policies among {sorted(POLICIES)}, got {unknown or '()'}"
+            )
+        if self.workload.group_size != self.batch.group_size:
+            raise ValueError(
+                f"sim.workload.group_size ({self.workload.group_size}) must equal "
+                f"sim.batch.group_size ({self.batch.group_size})"
+            )
+        if self.history_size < 1 or self.cmlfq_max_queue_length < 0:
+            raise ValueError("sim.history_size must be >= 1 and cmlfq_max_queue_length >= 0")
+        if sum(self.fixed_node_pattern) != self.devices_per_node:
+            raise ValueError(
+                f"sim.fixed_node_pattern {self.fixed_node_pattern} must fill a node "
+                f"of {self.devices_per_node}"
+            )
+        if not 0 < self.fixed_train_fraction < 1:
+            raise ValueError(f"sim.fixed_train_fraction must be in (0, 1), got {self.fixed_train_fraction}")
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return ClusterSpec(self.num_nodes, self.devices_per_node, PROFILES[self.profile])
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+def load_sim_config(path: str | Path) -> SimConfig:
+    """Runs `sim_config()` from a Python file (what `libra simulate CONFIG` reads)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no simulation config file at {path}")
+    spec = importlib.util.spec_from_file_location(f"_libra_sim_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    build = getattr(module, "sim_config", None)
+    if build is None:
+        raise ValueError(f"{path} must define sim_config() -> SimConfig")
+    config = build()
+    if not isinstance(config, SimConfig):
+        raise ValueError(f"{path}: sim_config() returned {type(config).__name__}, not SimConfig")
+    return config

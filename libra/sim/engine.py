@@ -1,0 +1,304 @@
+"""The discrete-event core: a clock, an event heap, simulated rollout instances, and a real
+`Router` (C-MLFQ or a baseline) deciding where every turn runs.
+
+Events are (time, sequence number, callback): the sequence number makes ties deterministic (first
+scheduled, first run), so a run is a pure function of its config and seed. The RL loop
+(`libra.sim.loop`) schedules its own events (training steps, weight publication, plan changes)
+on the same heap and is told, through `on_finish`, when a trajectory completes.
+
+A trajectory's life: `start` -> router.admit -> a prefill and decode on the chosen instance ->
+at the end of each turn either the end (router.on_finish) or a tool call; when the tool returns
+(after its traced latency) router.on_tool_return says where the next turn runs. On the same
+instance only the tool result is prefilled (the prefix is cached); elsewhere the whole context is
+re-prefilled, or its KV moved, per `MovementCosts.migration`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from libra.planner.rollout_cost import RolloutCostModel
+from libra.scheduler.config import CmlfqConfig
+from libra.scheduler.interface import Decision, Router
+from libra.scheduler.tool_state import ToolReturnState
+from libra.sim.instance import DecodeCoefficients, Instance, Sequence, prefill_s
+from libra.sim.trace import TrajectoryTrace
+
+
+@dataclass(eq=False)
+class LiveTrajectory:
+    key: int
+    trace: TrajectoryTrace
+    started_at: float
+    turn: int = 0
+    generated: int = 0
+    """Output tokens of completed turns."""
+    context: float = 0.0
+    instance: int | None = None
+    """Where its next (or current) turn runs, as the router decided."""
+    cached_on: int | None = None
+    """The instance holding its prefix in cache (where its last turn ran)."""
+    carried: float = 0.0
+    """Tokens of the current turn generated before it was cut (kept; the turn resumes)."""
+    versions: list[int] = field(default_factory=list)
+    """Policy version of each turn."""
+    finished_at: float | None = None
+    aborted: bool = False
+    tag: int = 0
+    """The loop's own mark (e.g. the round it was launched in)."""
+
+    @property
+    def trajectory_id(self) -> str:
+        return self.trace.trajectory_id
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min(self.versions) if self.versions else None
+
+
+class RolloutCluster:
+    def __init__(
+        self,
+        router: Router,
+        cmlfq_config: CmlfqConfig,
+        cost: RolloutCostModel,
+        max_batch: int,
+        migration: str = "reprefill",
+    ):
+        self.router = router
+        self.cmlfq_config = cmlfq_config
+        self.cost = cost
+        self.max_batch = max_batch
+        self.migration = migration
+        self.now = 0.0
+        self._heap: list = []
+        self._counter = 0
+        self.instances: dict[int, Instance] = {}
+        self.retired: list[Instance] = []
+        self.live: dict[int, LiveTrajectory] = {}
+        self._by_id: dict[str, int] = {}
+        self.unplaced: set[int] = set()
+        self._cut: set[int] = set()
+        """Unplaced trajectories whose turn was cut mid-decode (resume as soon as placed)."""
+        self._next_key = 0
+        self._next_instance = 0
+        self.version = 0
+        """The policy version rollout instances serve (turns take it when they start)."""
+        self.on_finish: Callable[[LiveTrajectory], None] = lambda traj: None
+        self._coefficients: dict[int, DecodeCoefficients] = {}
+        self.num_migrations = 0
+        self.num_turns = 0
+        self.migration_s = 0.0
+
+    # The clock.
+
+    def schedule(self, time: float, callback: Callable, *args) -> None:
+        heapq.heappush(self._heap, (time, self._counter, callback, args))
+        self._counter += 1
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Processes events in time order until `done()` or nothing is left."""
+        heap = self._heap
+        while heap and not done():
+            time, _, callback, args = heapq.heappop(heap)
+            self.now = time
+            callback(*args)
+
+    # Instances.
+
+    def coefficients(self, tp: int) -> DecodeCoefficients:
+        if tp not in self._coefficients:
+            self._coefficients[tp] = DecodeCoefficients.of(self.cost, tp)
+        return self._coefficients[tp]
+
+    def add_instance(
+        self, name: str, tp: int, bucket: int, devices: tuple[int, ...], ready_at: float
+    ) -> Instance:
+        inst = Instance(
+            self._next_instance,
+            name,
+            tp,
+            bucket,
+            devices,
+            self.coefficients(tp),
+            self.max_batch,
+            ready_at=ready_at,
+            clock=self.now,
+        )
+        self._next_instance += 1
+        self.instances[inst.instance_id] = inst
+        ready = ready_at <= self.now
+        self.router.add_instance(inst.instance_id, bucket, ready=ready)
+        if not ready:
+            self.schedule(ready_at, self._instance_ready, inst)
+        return inst
+
+    def _instance_ready(self, inst: Instance) -> None:
+        if inst.retired:
+            return
+        self.router.set_instance_ready(inst.instance_id, True)
+        self.reroute_unplaced()
+        self._reschedule(inst)
+
+    def remove_instance(self, instance_id: int) -> None:
+        """Stops an instance now: its in-flight turns are cut (they keep their tokens) and every
+        trajectory placed there is rerouted."""
+        inst = self.instances.pop(instance_id)
+        inst.advance(self.now)
+        inst.retired = True
+        inst.epoch += 1
+        self.retired.append(inst)
+        for seq in inst.take_all():
+            traj = self.live[seq.key]
+            turn_output = traj.trace.turns[traj.turn].output_tokens
+            traj.carried = max(0.0, turn_output - max(seq.left, 0.0))
+            traj.context = seq.context if seq.context > traj.context else traj.context
+            traj.cached_on = None
+            self._cut.add(seq.key)
+        for trajectory_id in self.router.remove_instance(instance_id):
+            key = self._by_id[trajectory_id]
+            self.live[key].instance = None
+            self.unplaced.add(key)
+        self.reroute_unplaced()
+
+    def reroute_unplaced(self) -> None:
+        for key in sorted(self.unplaced):
+            traj = self.live[key]
+            decision = self.router.reroute(traj.trajectory_id)
+            if decision.instance_id is None:
+                continue
+            self.unplaced.discard(key)
+            traj.instance = decision.instance_id
+            if key in self._cut:  # it was decoding: resume its turn now
+                self._cut.discard(key)
+                self._run_turn(traj)
+
+    def _reschedule(self, inst: Instance) -> None:
+        inst.epoch += 1
+        at = inst.next_completion()
+        if at is not None:
+            self.schedule(at, self._on_instance_tick, inst, inst.epoch)
+
+    # Trajectories.
+
+    def start(self, trace: TrajectoryTrace, tag: int = 0) -> LiveTrajectory:
+        key = self._next_key
+        self._next_key += 1
+        traj = LiveTrajectory(key, trace, self.now, context=float(trace.prompt_tokens), tag=tag)
+        self.live[key] = traj
+        self._by_id[trace.trajectory_id] = key
+        self._follow(traj, self.router.admit(trace.trajectory_id, trace.prompt_id))
+        return traj
+
+    def abort(self, traj: LiveTrajectory) -> None:
+        """Cancels a live trajectory (tail batching's over-provisioned ones)."""
+        if traj.key not in self.live:
+            return
+        if traj.instance is not None and traj.instance in self.instances:
+            inst = self.instances[traj.instance]
+            inst.advance(self.now)
+            inst.active = [s for s in inst.active if s.key != traj.key]
+            inst.waiting = type(inst.waiting)(s for s in inst.waiting if s.key != traj.key)
+            inst.kv_tokens = sum(s.context for s in inst.active)
+            self._reschedule(inst)
+        traj.aborted = True
+        self.router.on_abort(traj.trajectory_id)
+        self._forget(traj)
+
+    def _forget(self, traj: LiveTrajectory) -> None:
+        del self.live[traj.key]
+        del self._by_id[traj.trajectory_id]
+        self.unplaced.discard(traj.key)
+        self._cut.discard(traj.key)
+
+    def _follow(self, traj: LiveTrajectory, decision: Decision) -> None:
+        traj.instance = decision.instance_id
+        if decision.instance_id is None:
+            self.unplaced.add(traj.key)
+            return
+        self._run_turn(traj)
+
+    def _run_turn(self, traj: LiveTrajectory) -> None:
+        inst = self.instances[traj.instance]
+        turn = traj.trace.turns[traj.turn]
+        if traj.turn == 0 and traj.carried == 0 and traj.cached_on is None:
+            new_tokens = float(traj.trace.prompt_tokens)
+        elif traj.cached_on == inst.instance_id:
+            new_tokens = float(traj.trace.turns[traj.turn - 1].payload_tokens) if traj.turn else 0.0
+        else:
+            new_tokens = self._migration_tokens(traj, inst)
+        seconds = prefill_s(self.cost, self.cost.factors, inst.tp, new_tokens)
+        if self.migration == "kv_move" and traj.cached_on not in (None, inst.instance_id):
+            seconds += self._kv_move_s(traj, inst)
+        if len(traj.versions) == traj.turn:  # a cut turn resumes under the version it began with
+            traj.versions.append(self.version)
+        inst.advance(self.now)
+        inst.enqueue(Sequence(traj.key, traj.context, turn.output_tokens - traj.carried, 0.0), seconds)
+        self._reschedule(inst)
+
+    def _migration_tokens(self, traj: LiveTrajectory, inst: Instance) -> float:
+        """Tokens the new instance must prefill for a trajectory that ran elsewhere."""
+        self.num_migrations += 1
+        payload = float(traj.trace.turns[traj.turn - 1].payload_tokens) if traj.turn else 0.0
+        if self.migration == "kv_move":
+            return payload
+        return traj.context
+
+    def _kv_move_s(self, traj: LiveTrajectory, inst: Instance) -> float:
+        m = self.cost.model
+        kv_bytes = traj.context * 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.bytes_per_param
+        seconds = kv_bytes / (inst.tp * self.cost.cluster.profile.inter_node_bandwidth_bytes_per_s)
+        self.migration_s += seconds
+        return seconds
+
+    def _on_instance_tick(self, inst: Instance, epoch: int) -> None:
+        if epoch != inst.epoch or inst.retired:
+            return
+        inst.advance(self.now)
+        finished = inst.pop_finished()
+        inst.admit_waiting()
+        self._reschedule(inst)
+        for seq in finished:
+            traj = self.live.get(seq.key)
+            if traj is not None:  # not aborted by an earlier completion's consequences
+                self._end_turn(traj, seq, inst)
+
+    def _end_turn(self, traj: LiveTrajectory, seq: Sequence, inst: Instance) -> None:
+        turn = traj.trace.turns[traj.turn]
+        self.num_turns += 1
+        traj.generated += turn.output_tokens
+        traj.context = float(traj.trace.prompt_tokens + traj.generated) + sum(
+            t.payload_tokens for t in traj.trace.turns[: traj.turn]
+        )
+        traj.carried = 0.0
+        traj.cached_on = inst.instance_id
+        if traj.turn == len(traj.trace.turns) - 1:
+            traj.finished_at = self.now
+            self.router.on_finish(traj.trajectory_id, traj.generated)
+            self._forget(traj)
+            self.on_finish(traj)
+            return
+        self.schedule(self.now + turn.tool_latency_s, self._tool_returned, traj)
+
+    def _tool_returned(self, traj: LiveTrajectory) -> None:
+        if traj.key not in self.live:  # aborted while the tool ran
+            return
+        turn = traj.trace.turns[traj.turn]
+        traj.context += turn.payload_tokens
+        traj.turn += 1
+        state = ToolReturnState.of(turn.tool, turn.status, turn.payload_tokens, self.cmlfq_config)
+        if traj.instance is None:  # displaced while the tool ran; the router places it again
+            self.unplaced.discard(traj.key)
+        self._follow(traj, self.router.on_tool_return(traj.trajectory_id, state, traj.generated))
+
+    # Accounting.
+
+    def all_instances(self) -> list[Instance]:
+        return list(self.instances.values()) + self.retired
+
+    def settle(self) -> None:
+        """Advances every instance to now (before reading busy times)."""
+        for inst in self.instances.values():
+            inst.advance(self.now)

@@ -1,0 +1,170 @@
+"""The starting layout of each policy: the training configuration, the rollout instances and the
+router's buckets, built with the real planner (search, cost models, plan placement).
+
+- PLANNED: the planner's initial plan (what Libra launches with).
+- HOMOGENEOUS: one TP size for every rollout instance -- the one with the best per-device decode
+  throughput that still holds the longest context -- on the planned split (disaggregated) or on
+  every device (colocated).
+- FIXED_PATTERN: the original's hand-made layout, a fixed share of nodes training and each
+  rollout node split into a fixed pattern of TP sizes with C-MLFQ's default thresholds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from libra.planner.config import PlanningProblem, RequestRecord, TrainingBatch
+from libra.planner.plan import Plan, RolloutInstance, place_rollout
+from libra.planner.rollout_cost import RolloutCostModel
+from libra.planner.search import search
+from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
+from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
+
+_MAX_TOKENS = 2**31 - 1
+DEFAULT_THRESHOLDS = {1: 4000, 2: 12000, 4: 30000, 8: 40960}
+"""C-MLFQ's per-TP thresholds in the original's configs (`reference/libra-notes.md` §4)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    training: TrainingConfig
+    train_devices: tuple[int, ...]
+    instances: tuple[RolloutInstance, ...]
+    bucket_tps: tuple[int, ...]
+    """TP size of each router bucket, ascending."""
+    thresholds: tuple[int, ...]
+    plan: Plan | None = None
+
+    def bucket_of(self, tp: int) -> int:
+        """The bucket of an instance of size tp: the largest bucket TP not above it."""
+        fitting = [i for i, b in enumerate(self.bucket_tps) if b <= tp]
+        return fitting[-1] if fitting else 0
+
+    def cmlfq_config(self, max_queue_length: int) -> CmlfqConfig:
+        buckets = tuple(
+            BucketConfig(f"tp{tp}", tp, t) for tp, t in zip(self.bucket_tps, self.thresholds, strict=True)
+        )
+        return CmlfqConfig(buckets=buckets, max_queue_length=max_queue_length)
+
+
+def planning_problem(
+    config: SimConfig, history: tuple[RequestRecord, ...], max_staleness: int
+) -> PlanningProblem:
+    batch = replace(config.batch, max_staleness=max_staleness)
+    return PlanningProblem(config.cluster, config.model, batch, history, config.planner)
+
+
+def best_training_config(
+    config: SimConfig, batch: TrainingBatch, history: tuple[RequestRecord, ...], num_devices: int
+) -> TrainingConfig:
+    """The fastest feasible training layout on at most `num_devices` devices (the planner's
+    training cost and memory models; the same divisibility rules as its search, so e.g. 48
+    devices train on 32 when the batch's 32 groups cannot split over a DP of 3)."""
+    cost = TrainingCostModel(config.cluster, config.model, batch, config.planner, config.train_factors)
+    seqs = SequenceStats.of(history)
+    groups = batch.global_batch // batch.group_size
+    search_space = config.planner.search
+    best: tuple[float, int, TrainingConfig] | None = None
+    for tp in search_space.train_tp_sizes:
+        if (
+            config.devices_per_node % tp
+            or config.model.num_attention_heads % tp
+            or config.model.num_kv_heads % tp
+        ):
+            continue
+        for pp in search_space.train_pp_sizes:
+            if config.model.num_layers % pp:
+                continue
+            for dp, mb in ((d, m) for d in range(1, groups + 1) for m in batch.micro_batch_sizes):
+                if groups % dp or tp * pp * dp > num_devices:
+                    continue
+                if batch.global_batch % (dp * mb):
+                    continue
+                cfg = TrainingConfig(tp, pp, dp, mb)
+                if cost.fits(cfg, seqs):
+                    step = cost.step_s(cfg, seqs)
+                    if best is None or (step, cfg.num_devices, cfg) < best:
+                        best = (step, cfg.num_devices, cfg)
+    if best is None:
+        raise ValueError(f"no training layout of the model fits on {num_devices} devices")
+    return best[2]
+
+
+def homogeneous_tp(config: SimConfig, history: tuple[RequestRecord, ...]) -> int:
+    cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
+    longest = max(r.total_tokens for r in history)
+    best = None
+    for tp in config.planner.search.rollout_tp_sizes:
+        if config.devices_per_node % tp:
+            continue
+        profile = cost.instance_profile(tp, history)
+        if profile.token_capacity < longest:
+            continue
+        per_device = profile.throughput_tokens_per_s / tp
+        if best is None or per_device > best[0]:
+            best = (per_device, tp)
+    if best is None:
+        raise ValueError("no rollout TP size holds the longest context of the history")
+    return best[1]
+
+
+def build_layout(
+    config: SimConfig, policy: PolicySpec, history: tuple[RequestRecord, ...], initial_plan: Plan | None
+) -> Layout:
+    """The policy's starting layout. `initial_plan` is the planner's (computed once per run and
+    shared, so that every policy that starts from it starts from the same one)."""
+    n, dpn = config.num_devices, config.devices_per_node
+    if policy.mode is Mode.COLOCATED_SYNC:
+        tp = homogeneous_tp(config, history)
+        training = best_training_config(config, replace(config.batch, max_staleness=0), history, n)
+        instances = place_rollout(0, n, dpn, [tp] * (n // tp))
+        return Layout(training, tuple(range(n)), instances, (tp,), (_MAX_TOKENS,))
+    if policy.pool is Pool.FIXED_PATTERN:
+        train_nodes = min(config.num_nodes - 1, max(1, round(config.num_nodes * config.fixed_train_fraction)))
+        n_train = train_nodes * dpn
+        training = best_training_config(config, config.batch, history, n_train)
+        sizes = [tp for _ in range(config.num_nodes - train_nodes) for tp in config.fixed_node_pattern]
+        tps = tuple(sorted(set(sizes)))
+        thresholds = _strictly_increasing([DEFAULT_THRESHOLDS.get(tp, 2**20) for tp in tps])
+        return Layout(training, tuple(range(n_train)), place_rollout(n_train, n, dpn, sizes), tps, thresholds)
+    if initial_plan is None:
+        raise ValueError(f"policy {policy.name} needs the planner's initial plan")
+    training = initial_plan.training.config
+    n_train = training.num_devices
+    if policy.pool is Pool.HOMOGENEOUS:
+        tp = homogeneous_tp(config, history)
+        instances = place_rollout(n_train, n, dpn, [tp] * ((n - n_train) // tp))
+        return Layout(training, tuple(range(n_train)), instances, (tp,), (_MAX_TOKENS,))
+    planned = [b for b in initial_plan.buckets if b.num_instances > 0]
+    tps = tuple(b.tp for b in planned)
+    thresholds = _strictly_increasing([b.max_output_tokens for b in planned])
+    return Layout(
+        training, initial_plan.training.devices, initial_plan.instances, tps, thresholds, initial_plan
+    )
+
+
+def initial_plan(config: SimConfig, history: tuple[RequestRecord, ...], max_staleness: int) -> Plan:
+    return search(
+        planning_problem(config, history, max_staleness), config.train_factors, config.rollout_factors
+    )
+
+
+def derived_queue_length(config: SimConfig, policy: PolicySpec, num_instances: int) -> int:
+    """C-MLFQ's per-instance cap when the config leaves it 0: the fair share of the trajectories
+    that can be in flight at once (with the original's cap of 3 and hundreds of trajectories in
+    flight every bucket saturates and routing degenerates to least-load; with no cap, admission
+    to the smallest bucket starves the others)."""
+    if config.cmlfq_max_queue_length:
+        return config.cmlfq_max_queue_length
+    staleness = config.batch.max_staleness if policy.max_staleness is None else policy.max_staleness
+    in_flight = config.batch.global_batch * (1 if policy.mode is Mode.COLOCATED_SYNC else staleness + 1)
+    return max(3, math.ceil(in_flight / max(1, num_instances)))
+
+
+def _strictly_increasing(values: list[int]) -> tuple[int, ...]:
+    out: list[int] = []
+    for v in values:
+        out.append(max(v, out[-1] + 1) if out else max(v, 1))
+    return tuple(min(v, _MAX_TOKENS) for v in out)

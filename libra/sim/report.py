@@ -1,0 +1,141 @@
+"""The comparison as a markdown report and PNG plots (matplotlib, imported only here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from libra.sim.config import ABLATIONS, BASELINES, POLICIES
+from libra.sim.runner import Comparison
+
+
+def comparison_table(comparison: Comparison) -> str:
+    """One row per policy: throughput, step time and its breakdown, idle shares, tail, staleness."""
+    rows = [
+        "| policy | traj/s | tok/s | step s | train s | wait s | stall s | ideal s | step/ideal "
+        "| idle train | idle rollout | tail share | staleness mean/max | dropped | plans applied |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in comparison.results.items():
+        b = r.breakdown()
+        mean_stale = sum(r.staleness) / len(r.staleness) if r.staleness else 0.0
+        rows.append(
+            f"| {name} | {r.trajectories_per_s:.3f} | {r.tokens_per_s:.0f} | {r.step_s:.1f} "
+            f"| {b['train_s']:.1f} | {b['wait_s']:.1f} | {b['stall_s']:.1f} | {r.ideal_step_s:.1f} "
+            f"| {r.step_s / r.ideal_step_s:.2f} "
+            f"| {r.idle_share('train'):.0%} | {r.idle_share('rollout'):.0%} | {r.tail_share:.0%} "
+            f"| {mean_stale:.2f}/{max(r.staleness, default=0)} | {r.dropped} | {r.plans_applied} |"
+        )
+    return "\n".join(rows)
+
+
+def speedup_lines(comparison: Comparison, reference: str = "libra") -> list[str]:
+    if reference not in comparison.results:
+        return []
+    lines = []
+    for other in (*BASELINES, *ABLATIONS):
+        if other in comparison.results:
+            lines.append(f"- {reference} / {other}: {comparison.speedup(reference, other):.2f}x throughput")
+    r = comparison.results[reference]
+    lines.append(
+        f"- {reference} step time / ideal lower bound (no idle device): {r.step_s / r.ideal_step_s:.2f}"
+    )
+    return lines
+
+
+def markdown_report(comparison: Comparison, plots: list[str] | None = None) -> str:
+    c = comparison.config
+    parts = [
+        f"# Simulation: {c.name}",
+        "",
+        f"{c.num_devices} x {c.profile} ({c.num_nodes} nodes), model {c.model.num_params / 1e9:.1f}B params, "
+        f"workload {c.workload.name} (drift: lengths +{c.workload.length_drift:.0%}, "
+        f"problems +{c.workload.difficulty_drift:.0%}), global batch {c.batch.global_batch} "
+        f"(groups of {c.batch.group_size}), max staleness {c.batch.max_staleness}, {c.num_steps} steps.",
+        "",
+    ]
+    if comparison.initial_plan is not None:
+        parts += [
+            f"Initial plan (searched in {comparison.initial_plan_search_s * 1e3:.0f} ms):",
+            "```",
+            comparison.initial_plan.describe(),
+            "```",
+            "",
+        ]
+    parts += ["## Throughput and step time", "", comparison_table(comparison), ""]
+    parts += speedup_lines(comparison)
+    parts += ["", "## Policies", ""]
+    parts += [f"- **{name}**: {POLICIES[name].description}" for name in comparison.results]
+    parts += ["", "## Staleness distribution (trajectories per versions behind)", ""]
+    for name, r in comparison.results.items():
+        parts.append(f"- {name}: {r.staleness_histogram()}")
+    searches = [s for r in comparison.results.values() for s in r.planner_search_s]
+    if searches:
+        parts += [
+            "",
+            f"Planner re-plans: {len(searches)}, mean {1e3 * sum(searches) / len(searches):.1f} ms, "
+            f"max {1e3 * max(searches):.1f} ms.",
+        ]
+    if plots:
+        parts += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(parts) + "\n"
+
+
+def write_plots(comparison: Comparison, out_dir: Path) -> list[str]:
+    """Throughput, step-time breakdown and idle shares as PNGs; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(comparison.results)
+    results = [comparison.results[n] for n in names]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar(names, [r.trajectories_per_s for r in results], color="tab:blue")
+    ax.set_ylabel("trajectories / s")
+    ax.set_title(f"{comparison.config.name}: throughput")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    bottom = [0.0] * len(names)
+    for key, color in (("train_s", "tab:green"), ("wait_s", "tab:orange"), ("stall_s", "tab:red")):
+        values = [r.breakdown()[key] for r in results]
+        ax.bar(names, values, bottom=bottom, label=key, color=color)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.plot(names, [r.ideal_step_s for r in results], "k_", markersize=20, label="ideal (no idle)")
+    ax.set_ylabel("seconds per step")
+    ax.set_title("step time breakdown")
+    ax.legend()
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "step_breakdown.png"))
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.4
+    xs = range(len(names))
+    ax.bar([x - width / 2 for x in xs], [r.idle_share("train") for r in results], width, label="training")
+    ax.bar([x + width / 2 for x in xs], [r.idle_share("rollout") for r in results], width, label="rollout")
+    ax.set_xticks(list(xs), names, rotation=30)
+    ax.set_ylabel("idle share of the stage's device time")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "idle_share.png"))
+    plt.close("all")
+    return paths
+
+
+def _save(fig, path: Path) -> str:
+    fig.savefig(path, dpi=100)
+    return str(path)
+
+
+def write_report(comparison: Comparison, out_dir: str | Path, plots: bool = True) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_paths = write_plots(comparison, out) if plots else []
+    path = out / "report.md"
+    path.write_text(markdown_report(comparison, plot_paths))
+    return path
