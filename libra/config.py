@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libra.planner.config import PlannerConfig
+from libra.planner.elastic import ElasticConfig
 from libra.sync.config import SyncConfig
 from libra.training.config import TrainingConfig
 
@@ -77,6 +78,7 @@ class LibraConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -106,6 +107,9 @@ class TrainEngine:
         self._prev_rank = None if info.is_first_stage else ps.get_pipeline_model_parallel_prev_rank()
         self._next_rank = None if info.is_last_stage else ps.get_pipeline_model_parallel_next_rank()
         self._vocab_start = info.tp_rank * padded_vocab_size(arch.vocab_size, info.tp_size) // info.tp_size
+        self.peer: GradientPeer | None = None
+        """Set while this rank exchanges gradients with an elastic hybrid replica
+        (`libra.training.hybrid`); None: plain Megatron DP."""
         self.reset_reference()
 
     @property
@@ -173,15 +177,39 @@ class TrainEngine:
     def compute_logprobs(self, trajectories: Sequence[Trajectory], model=None) -> list[list[float]]:
         """Per response token logprob under the current policy (0.0 where the loss mask is 0)."""
         _check_batch(trajectories)
-        padded = self._forward_only(trajectories, model or self.model)
+        # Outside a train step: no exchange with a hybrid replica, this rank's DP layout only.
+        padded = self._forward_only(trajectories, model or self.model, with_peer=False)
         return [padded[i, : len(t.response_token_ids)].tolist() for i, t in enumerate(trajectories)]
 
     @torch.no_grad()
-    def _forward_only(self, trajectories: Sequence[Trajectory], model) -> torch.Tensor:
+    def _forward_only(
+        self, trajectories: Sequence[Trajectory], model, with_peer: bool = True
+    ) -> torch.Tensor:
         """[num_trajectories, longest response] logprobs, identical on every rank."""
+        peer = self.peer if with_peer else None
+        if peer is not None and not peer.computes():
+            # A hybrid replica in ZERO_SYNC only replays the core's updates: nothing to score.
+            width = max(len(t.response_token_ids) for t in trajectories)
+            return torch.zeros(len(trajectories), width, dtype=torch.float32)
+        share = self._share() if peer is not None else (self.info.dp_rank, self.info.dp_size)
+        out = self._forward_share(trajectories, model, share)
+        # Only the last stage of each DP rank wrote its share: a sum over DP and PP gathers it.
+        dist.all_reduce(out, group=self._dp_group)
+        dist.all_reduce(out, group=self._pp_group)
+        if peer is not None:
+            out = peer.combine_logprobs(
+                out, lambda share: self._forward_share(trajectories, model, share)
+            )
+        return out
+
+    @torch.no_grad()
+    def _forward_share(
+        self, trajectories: Sequence[Trajectory], model, share: tuple[int, int]
+    ) -> torch.Tensor:
+        """The logprobs of one DP share's rows (zeros elsewhere), on the last stage."""
         width = max(len(t.response_token_ids) for t in trajectories)
         out = torch.zeros(len(trajectories), width, dtype=torch.float32)
-        for mb in self._my_micro_batches(trajectories, range(len(trajectories))):
+        for mb in self._my_micro_batches(trajectories, range(len(trajectories)), share):
             rows = self._rows(trajectories, mb, {})
             output = self._stage_forward(model, rows, requires_grad=False)
             if self.info.is_last_stage:
@@ -196,9 +224,6 @@ class TrainEngine:
                     ).float()
             else:
                 self._send(output)
-        # Only the last stage of each DP rank wrote its share: a sum over DP and PP gathers it.
-        dist.all_reduce(out, group=self._dp_group)
-        dist.all_reduce(out, group=self._pp_group)
         return out
 
     # -- training --------------------------------------------------------------------------------
@@ -251,8 +276,39 @@ class TrainEngine:
         whole mini-batch (all ranks) and the grad norm."""
         num_tokens = sum(sum(batch[i].loss_mask) for i in indices)
         self.optimizer.zero_grad(set_to_none=False)
+        if self.peer is None:
+            stats = self._backward_share(batch, indices, advantages, old, ref, num_tokens, self._share())
+            stats = self._reduce_grads_and_stats(stats)
+        else:
+            stats = (
+                self._backward_share(batch, indices, advantages, old, ref, num_tokens, self._share())
+                if self.peer.computes()
+                else torch.zeros(6, dtype=torch.float64)
+            )
+            # The peer adds the hybrid replica's gradients before the DP reduction (or, on the
+            # hybrid side, sends them and takes the reduced ones back); `fill_in` computes a
+            # share here when the replica that owned it failed.
+            stats = self.peer.reduce_gradients(
+                self,
+                stats,
+                lambda share: self._backward_share(batch, indices, advantages, old, ref, num_tokens, share),
+            )
+        grad_norm = self._clip_grads()
+        self.optimizer.step()
+        return stats, grad_norm
+
+    def _reduce_grads_and_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """The core's DP (and tied-embedding, QK-norm) gradient reduction and the stats' sum."""
+        self._reduce_grads()
+        dist.all_reduce(stats, group=self._dp_group)
+        dist.all_reduce(stats, group=self._pp_group)
+        return stats
+
+    def _backward_share(self, batch, indices, advantages, old, ref, num_tokens, share) -> torch.Tensor:
+        """Forward/backward of one DP share of the mini-batch `indices`, accumulating into the
+        gradients; returns that share's [loss, pg, kl, entropy, clipped, tokens] sums."""
         stats = torch.zeros(6, dtype=torch.float64)
-        for mb in self._my_micro_batches(batch, indices):
+        for mb in self._my_micro_batches(batch, indices, share):
             extra = {
                 "rollout": [batch[i].rollout_logprobs for i in mb.indices],
                 "advantage": [[advantages[i]] * len(batch[i].response_token_ids) for i in mb.indices],
@@ -296,24 +352,27 @@ class TrainEngine:
                 output.backward(self._recv(output.shape, output.dtype, self._next_rank))
             if not self.info.is_first_stage:
                 self._send_grad(rows)
-        self._reduce_grads()
-        grad_norm = self._clip_grads()
-        self.optimizer.step()
-        dist.all_reduce(stats, group=self._dp_group)
-        dist.all_reduce(stats, group=self._pp_group)
-        return stats, grad_norm
+        return stats
 
     # -- pipeline plumbing -----------------------------------------------------------------------
 
-    def _my_micro_batches(self, trajectories: Sequence[Trajectory], indices) -> list[MicroBatch]:
+    def _share(self) -> tuple[int, int]:
+        """(this rank's DP share, number of shares): Megatron's DP rank and size, or the
+        peer's view when hybrid replicas take shares too."""
+        if self.peer is not None:
+            return self.peer.share()
+        return self.info.dp_rank, self.info.dp_size
+
+    def _my_micro_batches(
+        self, trajectories: Sequence[Trajectory], indices, share: tuple[int, int] | None = None
+    ) -> list[MicroBatch]:
+        rank, size = share or self._share()
         indices = list(indices)
         lengths = {i: len(trajectories[i].token_ids) for i in indices}
-        if len(indices) < self.info.dp_size:
-            raise ValueError(
-                f"a batch of {len(indices)} trajectories cannot feed {self.info.dp_size} DP ranks"
-            )
-        shares = split_across_ranks([lengths[i] for i in indices], self.info.dp_size)
-        mine = [indices[k] for k in shares[self.info.dp_rank]]
+        if len(indices) < size:
+            raise ValueError(f"a batch of {len(indices)} trajectories cannot feed {size} DP ranks")
+        shares = split_across_ranks([lengths[i] for i in indices], size)
+        mine = [indices[k] for k in shares[rank]]
         return make_micro_batches(mine, lengths, self.cfg.max_tokens_per_microbatch)
 
     def _rows(self, trajectories: Sequence[Trajectory], mb: MicroBatch, extra: dict[str, list]) -> _Rows:
@@ -479,6 +538,27 @@ class TrainEngine:
                         "exp_avg": torch.zeros_like(p),
                         "exp_avg_sq": torch.zeros_like(p),
                     }
+
+
+class GradientPeer(Protocol):
+    """The engine's hooks for the elastic hybrid pool (implemented in `libra.training.hybrid`)."""
+
+    def share(self) -> tuple[int, int]:
+        """(this rank's share of the global batch, number of shares) for the current step."""
+
+    def computes(self) -> bool:
+        """False on a hybrid replica in ZERO_SYNC: it runs no forward/backward."""
+
+    def combine_logprobs(
+        self, out: torch.Tensor, fill_in: Callable[[tuple[int, int]], torch.Tensor]
+    ) -> torch.Tensor:
+        """The full logprob table from this side's rows and the peer's."""
+
+    def reduce_gradients(
+        self, engine: TrainEngine, stats: torch.Tensor, fill_in: Callable[[tuple[int, int]], torch.Tensor]
+    ) -> torch.Tensor:
+        """Leaves the globally reduced gradients in the parameters' `.grad`; returns the summed
+        stats of the whole mini-batch."""
 
 
 def _check_batch(trajectories: Sequence[Trajectory]) -> None:

@@ -1,0 +1,404 @@
+"""The elastic hybrid pool at run time: a core train rank's lane to one hybrid replica
+(`CoreLane`), and the hybrid replica's side (`HybridFollower`, `run_hybrid_replica`).
+
+The core pool is its own torch.distributed world and is never rebuilt; the hybrid replica is a
+separate process with its own world, connected to its paired core rank by one TCP channel
+(`grad_channel`). The protocol follows `libra.planner.elastic`:
+
+- REQUESTED: the hybrid process starts (on devices taken from rollout) and says hello.
+- FETCHING_STATE: at the next step boundary the core snapshots its state (weights, AdamW state,
+  staleness gate; the KL reference when on) and sends it; from that step on it streams every
+  step's batch and, after each DP reduction, the reduced gradients and stats.
+- ZERO_SYNC: once the hybrid has loaded the snapshot. It runs no forward/backward, contributes
+  nothing, and replays each step: the same gate decisions, the core's reduced gradients, the same
+  clipping and AdamW step. That is exact lockstep (identical inputs to identical operations); the
+  core never waits for it (sends are queued on a sender thread).
+- ACTIVATING: on request, at a step boundary the core sends `activate` and waits (bounded) for
+  the hybrid to answer; the answer comes after the hybrid has replayed every earlier step.
+- ACTIVE: the global batch is split into two DP shares, core share 0 and hybrid share 1, exactly
+  as a static DP=2 job splits it. Old logprobs: each side scores its rows and the core sums the
+  two tables and sends the sum back. Gradients: the hybrid sends its share's gradients (already
+  divided by the global token count, as every DP rank's are); the core adds them to its own before
+  its DP reduction; the reduced gradients go back; both sides clip and step identical AdamW
+  optimizers. Losses equal a static two-replica DP run.
+- Failure: a lost connection, a timeout or a dropped payload while the core waits for the
+  hybrid's rows or gradients rolls the replica back, and the core computes the hybrid's share of
+  that step itself (the fill-in rule: the share returns to the core, the step is neither lost nor
+  shortened); the rest of the step and later steps use one share.
+- Release: ACTIVE -> RELEASING, the hybrid is told to stop, RELEASED when the channel closes.
+
+Scope: one hybrid replica per core rank, core and hybrid replicas of TP = PP = 1 and a core of
+DP = 1 (a paired lane per core rank and a core-wide agreement on failures are what larger
+layouts need; not implemented).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from libra.planner.elastic import ElasticConfig, HybridPool, PayloadHeader, ReplicaState
+from libra.training.grad_channel import (
+    Channel,
+    Listener,
+    PeerLost,
+    object_from_bytes,
+    object_to_bytes,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
+from libra.trajectory import Trajectory
+
+HYBRID_SHARE = (1, 2)
+CORE_SHARE = (0, 2)
+
+
+# -- training state over the channel -----------------------------------------------------------
+
+
+def export_state(engine) -> dict:
+    """Everything a replica needs to continue in lockstep; copies, so the core may step on."""
+    state = {
+        "params": {name: p.detach().clone() for name, p in engine.model.named_parameters()},
+        "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
+        "gate": engine.gate.state_dict(),
+    }
+    if engine.ref_model is not None:
+        state["reference"] = {n: p.detach().clone() for n, p in engine.ref_model.named_parameters()}
+    return state
+
+
+def load_state(engine, state: dict) -> None:
+    with torch.no_grad():
+        params = dict(engine.model.named_parameters())
+        if set(params) != set(state["params"]):
+            raise RuntimeError(f"state does not fit the model: {sorted(set(params) ^ set(state['params']))}")
+        for name, tensor in state["params"].items():
+            params[name].copy_(tensor)
+        if engine.ref_model is not None:
+            for name, p in engine.ref_model.named_parameters():
+                p.copy_(state["reference"][name])
+    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.gate.load_state_dict(state["gate"], release_in_flight=False)
+
+
+def _grads(engine) -> list[torch.Tensor]:
+    """Every trainable parameter's gradient, allocated if it has none yet (a replica in ZERO_SYNC
+    never runs backward)."""
+    params = [p for p in engine.model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+def _flat_grads(engine) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in _grads(engine)])
+
+
+def _split_flat(engine, flat: torch.Tensor) -> list[torch.Tensor]:
+    grads = _grads(engine)
+    if flat.numel() != sum(g.numel() for g in grads):
+        raise ValueError(f"gradient payload of {flat.numel()} values for {sum(g.numel() for g in grads)}")
+    return [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+
+
+# -- the core side -----------------------------------------------------------------------------
+
+
+@dataclass
+class LaneCounters:
+    accepted_payloads: int = 0
+    """Hybrid logprob tables and gradients added in."""
+    filled_in_shares: int = 0
+    """Hybrid shares the core computed itself after a failure."""
+    rollbacks: list[str] = field(default_factory=list)
+
+
+class CoreLane:
+    """The engine's `GradientPeer` on a core rank: drives one hybrid replica slot through the
+    join/release protocol at step boundaries (`begin_step`) and adds its contributions."""
+
+    def __init__(
+        self,
+        engine,
+        config: ElasticConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        host: str = "127.0.0.1",
+    ):
+        if (engine.info.tp_size, engine.info.pp_size, engine.info.dp_size) != (1, 1, 1):
+            raise ValueError(
+                "the elastic hybrid pool runs with a core of TP=1 PP=1 DP=1 for now, got "
+                f"TP={engine.info.tp_size} PP={engine.info.pp_size} DP={engine.info.dp_size}"
+            )
+        self.engine = engine
+        self.pool = HybridPool(config or ElasticConfig())
+        self.clock = clock
+        self.listener = Listener(host)
+        self.counters = LaneCounters()
+        self._replica: int | None = None
+        self._generation = 0
+        self._channel: Channel | None = None
+        self._activation_requested = False
+        self._release_requested = False
+        self._step = 0
+        self._minibatch = 0
+        self._last_meta: dict = {}
+        engine.peer = self
+
+    @property
+    def address(self) -> str:
+        return self.listener.address
+
+    def state(self) -> ReplicaState | None:
+        return None if self._replica is None else self.pool.state_of(self._replica)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    # -- requests (from the controller) ----------------------------------------------------------
+
+    def request_join(self, replica: int) -> int:
+        self._generation = self.pool.request_join(replica, self.clock())
+        self._replica = replica
+        self._activation_requested = self._release_requested = False
+        return self._generation
+
+    def request_activation(self) -> None:
+        self._activation_requested = True
+
+    def request_release(self) -> None:
+        self._release_requested = True
+
+    # -- the step boundary -----------------------------------------------------------------------
+
+    def begin_step(self, step: int, batch: Sequence[Trajectory]) -> None:
+        """Advances the replica's protocol between two train steps, then hands the batch of
+        `step` to a registered replica. Never waits on the replica except at the activation
+        barrier (bounded by `activation_timeout_s`)."""
+        self._step, self._minibatch = step, 0
+        state = self.state()
+        if state is None or state in (ReplicaState.RELEASED, ReplicaState.ROLLED_BACK):
+            return
+        try:
+            self._advance(state)
+        except (PeerLost, TimeoutError) as e:
+            self._roll_back(f"{type(e).__name__}: {e}")
+        self._roll_back_expired()
+        if self._channel is not None:
+            meta = {"step": step, "version": self.engine.version, "epoch": self.pool.epoch}
+            meta["active"] = self.state() is ReplicaState.ACTIVE
+            self._channel.send("step", meta, object_to_bytes(list(batch)))
+
+    def _advance(self, state: ReplicaState) -> None:
+        now = self.clock()
+        if state is ReplicaState.REQUESTED:
+            channel = self.listener.poll()
+            if channel is None:
+                return
+            hello = channel.recv(timeout_s=self.pool.config.request_timeout_s)
+            if hello.kind != "hello" or hello.meta.get("generation") != self._generation:
+                channel.close()  # a cancelled join's process: not ours
+                self.pool.ignored_events += 1
+                return
+            self._channel = channel
+            self.pool.start_fetch(self._replica, self._generation, now)
+            # The state before this step; every later step streams after it, in order.
+            channel.send("state", {"step": self._step}, object_to_bytes(export_state(self.engine)))
+            return
+        frame = self._channel.poll() if self._channel is not None else None
+        if state is ReplicaState.FETCHING_STATE and frame is not None:
+            if frame.kind != "state_loaded":
+                raise PeerLost(f"expected state_loaded, got {frame.kind}")
+            self.pool.state_fetched(self._replica, self._generation, frame.meta["step"], now)
+            state = ReplicaState.ZERO_SYNC
+        if self._release_requested:
+            self._release(state, now)
+            return
+        if state is ReplicaState.ZERO_SYNC and self._activation_requested:
+            self.pool.begin_activation(self._replica, self._generation, now)
+            self._channel.send("activate", {"first_step": self._step})
+            reply = self._channel.recv(timeout_s=self.pool.config.activation_timeout_s)
+            if reply.kind != "activated":
+                raise PeerLost(f"expected activated, got {reply.kind}")
+            self.pool.activated(self._replica, self._generation, self._step, self.clock())
+
+    def _release(self, state: ReplicaState, now: float) -> None:
+        if state is ReplicaState.ACTIVE:
+            self.pool.request_release(self._replica, self._generation, now)
+            self._channel.send("release")
+            self._channel.close()
+            self._channel = None
+            self.pool.released(self._replica, self._generation, self.clock())
+        else:  # not active yet: a release is a cancellation
+            self._roll_back("cancelled by release before ACTIVE")
+
+    def _roll_back_expired(self) -> None:
+        if self.pool.expire(self.clock()):
+            self.counters.rollbacks.append(self.pool.replicas[self._replica].reason)
+            self._close()
+
+    def _roll_back(self, reason: str) -> None:
+        self.pool.roll_back(self._replica, self._generation, self.clock(), reason)
+        self.counters.rollbacks.append(reason)
+        self._close()
+
+    def _close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    # -- GradientPeer ----------------------------------------------------------------------------
+
+    def _active(self) -> bool:
+        return self.state() is ReplicaState.ACTIVE
+
+    def share(self) -> tuple[int, int]:
+        return CORE_SHARE if self._active() else (0, 1)
+
+    def computes(self) -> bool:
+        return True
+
+    def combine_logprobs(self, out: torch.Tensor, fill_in) -> torch.Tensor:
+        if not self._active():
+            return out
+        theirs = self._receive("logprobs")
+        if theirs is None:
+            return out + fill_in(HYBRID_SHARE)
+        out = out + theirs.view_as(out)
+        self._channel.send("logprobs_sum", {}, tensor_to_bytes(out))
+        return out
+
+    def reduce_gradients(self, engine, stats: torch.Tensor, fill_in) -> torch.Tensor:
+        if self._active():
+            theirs = self._receive("grads")
+            if theirs is None:
+                stats = stats + fill_in(HYBRID_SHARE)
+            else:
+                # Added before the DP reduction, in the order a two-rank sum would add them.
+                for grad, part in zip(_grads(engine), _split_flat(engine, theirs), strict=True):
+                    grad.add_(part)
+                stats = stats + torch.tensor(self._last_meta["stats"], dtype=torch.float64)
+        stats = engine._reduce_grads_and_stats(stats)
+        if self._channel is not None:  # streaming since the snapshot (FETCHING_STATE on)
+            meta = {"stats": stats.tolist(), "step": self._step, "minibatch": self._minibatch}
+            self._channel.send("reduced", meta, tensor_to_bytes(_flat_grads(engine)))
+        self._minibatch += 1
+        return stats
+
+    def _receive(self, kind: str) -> torch.Tensor | None:
+        """The hybrid's payload of `kind` for this step and mini-batch, or None after rolling the
+        replica back (lost, timed out). Stale payloads are dropped and counted, and the wait goes
+        on until the deadline."""
+        deadline = self.clock() + self.pool.config.gradient_timeout_s
+        try:
+            while True:
+                frame = self._channel.recv(timeout_s=max(deadline - self.clock(), 0.0))
+                header = PayloadHeader(
+                    replica=frame.meta.get("replica", -1),
+                    step=frame.meta.get("step", -1),
+                    policy_version=frame.meta.get("version", -1),
+                    epoch=frame.meta.get("epoch", -1),
+                )
+                fresh = self.pool.accept_payload(header, self._step, self.engine.version)
+                if fresh and frame.kind == kind and frame.meta.get("minibatch") == self._minibatch:
+                    self.counters.accepted_payloads += 1
+                    self._last_meta = frame.meta
+                    return tensor_from_bytes(frame.body)
+                if fresh:  # right step and epoch, wrong message: the protocol is broken
+                    self.pool.dropped_payloads["step"] += 1
+        except (PeerLost, TimeoutError) as e:
+            self._roll_back(f"{kind} of step {self._step}: {type(e).__name__}: {e}")
+            self.counters.filled_in_shares += 1
+            return None
+
+
+# -- the hybrid side ---------------------------------------------------------------------------
+
+
+class HybridFollower:
+    """The engine's `GradientPeer` on a hybrid replica: replays the core in ZERO_SYNC, takes its
+    share when ACTIVE."""
+
+    def __init__(self, channel: Channel, replica: int, timeout_s: float = 600.0):
+        self.channel, self.replica, self.timeout_s = channel, replica, timeout_s
+        self.step_meta: dict = {}
+        self._minibatch = 0
+
+    def begin_step(self, meta: dict) -> None:
+        self.step_meta, self._minibatch = meta, 0
+
+    def _header(self, **extra) -> dict:
+        m = self.step_meta
+        return {
+            "replica": self.replica,
+            "step": m["step"],
+            "version": m["version"],
+            "epoch": m["epoch"],
+            **extra,
+        }
+
+    def share(self) -> tuple[int, int]:
+        return HYBRID_SHARE if self.step_meta.get("active") else (0, 1)
+
+    def computes(self) -> bool:
+        return bool(self.step_meta.get("active"))
+
+    def combine_logprobs(self, out: torch.Tensor, fill_in) -> torch.Tensor:
+        self.channel.send("logprobs", self._header(minibatch=self._minibatch), tensor_to_bytes(out))
+        return tensor_from_bytes(self._expect("logprobs_sum").body).view_as(out)
+
+    def reduce_gradients(self, engine, stats: torch.Tensor, fill_in) -> torch.Tensor:
+        if self.computes():
+            meta = self._header(minibatch=self._minibatch, stats=stats.tolist())
+            self.channel.send("grads", meta, tensor_to_bytes(_flat_grads(engine)))
+        reduced = self._expect("reduced")
+        with torch.no_grad():
+            for grad, part in zip(
+                _grads(engine), _split_flat(engine, tensor_from_bytes(reduced.body)), strict=True
+            ):
+                grad.copy_(part)
+        self._minibatch += 1
+        return torch.tensor(reduced.meta["stats"], dtype=torch.float64)
+
+    def _expect(self, kind: str):
+        frame = self.channel.recv(timeout_s=self.timeout_s)
+        if frame.kind != kind:
+            raise RuntimeError(f"hybrid replica {self.replica} expected {kind}, got {frame.kind}")
+        return frame
+
+
+def run_hybrid_replica(engine, address: str, replica: int, generation: int, on_step=None) -> int:
+    """The hybrid replica's loop: fetch the state, replay or train each streamed step, activate on
+    request, stop on release. `on_step(step, result)` sees every step. Returns the steps run."""
+    channel = Channel.connect(address)
+    channel.send("hello", {"replica": replica, "generation": generation})
+    follower = HybridFollower(channel, replica)
+    state = follower._expect("state")
+    load_state(engine, object_from_bytes(state.body))
+    channel.send("state_loaded", {"step": state.meta["step"]})
+    engine.peer = follower
+    num_steps = 0
+    try:
+        while True:
+            frame = channel.recv(timeout_s=follower.timeout_s)
+            if frame.kind == "step":
+                follower.begin_step(frame.meta)
+                result = engine.train_step(object_from_bytes(frame.body))
+                num_steps += 1
+                if on_step is not None:
+                    on_step(frame.meta["step"], result)
+            elif frame.kind == "activate":
+                channel.send("activated", {"first_step": frame.meta["first_step"]})
+            elif frame.kind == "release":
+                return num_steps
+            else:
+                raise RuntimeError(f"hybrid replica {replica}: unexpected {frame.kind}")
+    finally:
+        engine.peer = None
+        channel.close()

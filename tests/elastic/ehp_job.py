@@ -1,0 +1,211 @@
+"""Processes of the elastic hybrid pool test (run as scripts by test_hybrid_pool.py).
+
+    python ehp_job.py static SPEC_JSON   one rank of a static DP=2 job (rank from the spec)
+    python ehp_job.py core SPEC_JSON     the core replica (DP=1), driving hybrid joins
+    python ehp_job.py hybrid SPEC_JSON   a hybrid replica process (started by the core)
+
+Every job trains the same tiny Qwen2 (tied embeddings) on the same batch per step, 12
+trajectories, two mini-batches per step. Results go to `result_<mode>.pt` in the spec's out_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def batch_for_step(step: int):
+    from tests.training.tiny_models import make_batch
+
+    batch = make_batch(seed=100 + step)
+    for t in batch:  # one-step-off async RL: sampled by the previous policy version
+        t.policy_versions = [max(step - 1, 0) if v >= 0 else v for v in t.policy_versions]
+    return batch
+
+
+def build_engine(spec: dict, rank: int, world_size: int, port: int):
+    from libra.backends import get_backend
+
+    get_backend("cpu").prepare_worker()
+    from transformers import AutoConfig
+
+    from libra.training.config import GrpoConfig, TrainingConfig
+    from libra.training.engine import TrainEngine
+    from libra.training.hf_weights import hf_tensor_reader
+    from libra.training.model import ModelArchitecture
+    from libra.training.parallel import initialize
+
+    info = initialize(1, 1, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
+    cfg = TrainingConfig(
+        data_parallel=world_size,
+        lr=1e-3,
+        adam_eps=1e-6,
+        num_minibatches=2,
+        max_tokens_per_microbatch=96,
+        max_staleness=1,
+        train_batch_size=12,
+        grpo=GrpoConfig(clip_high=0.28, kl_coef=0.05, entropy_coef=0.01),
+    )
+    engine = TrainEngine(arch, cfg, info)
+    engine.load_hf(hf_tensor_reader(spec["model"]))
+    return engine
+
+
+def run_static(spec: dict) -> None:
+    import torch
+
+    from libra.training.parallel import shutdown
+
+    engine = build_engine(spec, spec["rank"], 2, spec["port"])
+    losses = [engine.train_step(batch_for_step(step)).loss for step in range(spec["steps"])]
+    if spec["rank"] == 0:
+        torch.save({"losses": losses}, Path(spec["out_dir"]) / "result_static.pt")
+    shutdown()
+
+
+def run_core(spec: dict) -> None:
+    """Joins hybrid replicas as the spec's plan says, by state rather than by step number (a
+    replica process takes seconds to start while the core keeps stepping), then trains
+    `tail_steps` more steps; at most `max_steps` in all."""
+    import torch
+
+    from libra.planner.elastic import ElasticConfig, ReplicaState
+    from libra.training.hybrid import CoreLane
+    from libra.training.parallel import shutdown
+    from tests.training.jobs import free_port
+    from tests.training.tiny_models import make_batch
+
+    engine = build_engine(spec, 0, 1, spec["port"])
+    lane = CoreLane(engine, ElasticConfig(gradient_timeout_s=20, activation_timeout_s=60))
+    out_dir = Path(spec["out_dir"])
+    plan = list(spec["joins"])  # one dict per join: zero_sync_steps, active_steps, kill_after
+    record: dict = {"losses": [], "states": [], "times": [], "events": [], "payloads": []}
+    procs: list[subprocess.Popen] = []
+    active_seen = 0
+    current: dict = {}
+    wait_after_rollback = 0
+    tail_left = spec["tail_steps"]
+    for step in range(spec["max_steps"]):
+        state = lane.state()
+        idle = state is None or state in (ReplicaState.ROLLED_BACK, ReplicaState.RELEASED)
+        if idle and not plan:
+            tail_left -= 1
+            if tail_left < 0:
+                break
+        if plan and idle and step >= spec["first_join_step"]:
+            if wait_after_rollback > 0:
+                wait_after_rollback -= 1
+            else:
+                join = plan.pop(0)
+                generation = lane.request_join(replica=1)
+                hybrid_spec = {
+                    **spec,
+                    "address": lane.address,
+                    "generation": generation,
+                    "port": free_port(),
+                    "kill_after": join.get("kill_after"),
+                    "tag": f"gen{generation}",
+                }
+                log = open(out_dir / f"hybrid_gen{generation}.log", "w")
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, "hybrid", json.dumps(hybrid_spec)],
+                        env=os.environ,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=_REPO,
+                    )
+                )
+                current, active_seen = join, 0
+                record["events"].append((step, f"join gen{generation}"))
+        if state is ReplicaState.ZERO_SYNC:
+            current["zero_sync_left"] = current.get("zero_sync_left", current["zero_sync_steps"]) - 1
+            if current["zero_sync_left"] <= 0:
+                lane.request_activation()
+        if state is ReplicaState.ACTIVE:
+            active_seen += 1
+            if current.get("active_steps") and active_seen > current["active_steps"]:
+                lane.request_release()
+        batch = batch_for_step(step)
+        accepted_before = lane.counters.accepted_payloads
+        start = time.perf_counter()
+        lane.begin_step(step, batch)
+        state_in_step = lane.state()
+        if state_in_step is ReplicaState.RELEASED and "logprobs_at_release" not in record:
+            record["logprobs_at_release"] = engine.compute_logprobs(make_batch(seed=7))
+        result = engine.train_step(batch)
+        record["times"].append(time.perf_counter() - start)
+        record["losses"].append(result.loss)
+        record["states"].append(None if state_in_step is None else state_in_step.name)
+        record["payloads"].append(lane.counters.accepted_payloads - accepted_before)
+        if lane.state() is ReplicaState.ROLLED_BACK and state is not ReplicaState.ROLLED_BACK:
+            record["events"].append((step, "rolled back: " + lane.counters.rollbacks[-1]))
+            wait_after_rollback = 2  # the slot rests two steps before the next join
+    record["filled_in"] = lane.counters.filled_in_shares
+    record["rollbacks"] = lane.counters.rollbacks
+    record["dropped"] = dict(lane.pool.dropped_payloads)
+    record["epoch"] = lane.pool.epoch
+    record["final_state"] = None if lane.state() is None else lane.state().name
+    record["logprobs_end"] = engine.compute_logprobs(make_batch(seed=7))
+    torch.save(record, out_dir / "result_core.pt")
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    record["hybrid_exit_codes"] = [p.returncode for p in procs]
+    torch.save(record, out_dir / "result_core.pt")
+    lane.listener.close()
+    shutdown()
+
+
+def run_hybrid(spec: dict) -> None:
+    """A hybrid replica: its own torch.distributed world of one rank. With `kill_after` = k it
+    dies in its k-th active step, after announcing its gradient (header written, body not)."""
+    import torch
+
+    from libra.training import grad_channel
+    from libra.training.hybrid import run_hybrid_replica
+    from libra.training.parallel import shutdown
+    from tests.training.tiny_models import make_batch
+
+    engine = build_engine(spec, 0, 1, spec["port"])
+    kill_after = spec.get("kill_after")
+    if kill_after:
+        active_grads = {"n": 0}
+        write = grad_channel.Channel.write_frame
+
+        def dying_write(self, frame):
+            if frame.kind == "grads":
+                active_grads["n"] += 1
+                if active_grads["n"] >= 2 * kill_after - 1:  # 2 mini-batches per step
+                    header = json.dumps({"kind": frame.kind, "meta": frame.meta}).encode()
+                    self._sock.sendall(grad_channel._HEADER.pack(len(header)) + header)
+                    os._exit(17)
+            write(self, frame)
+
+        grad_channel.Channel.write_frame = dying_write
+    losses: dict[int, float] = {}
+    num = run_hybrid_replica(
+        engine,
+        spec["address"],
+        replica=1,
+        generation=spec["generation"],
+        on_step=lambda step, result: losses.__setitem__(step, result.loss),
+    )
+    out = {"steps": num, "losses": losses, "logprobs_end": engine.compute_logprobs(make_batch(seed=7))}
+    torch.save(out, Path(spec["out_dir"]) / f"result_hybrid_{spec['tag']}.pt")
+    shutdown()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(_REPO))
+    mode, spec_json = sys.argv[1], sys.argv[2]
+    {"static": run_static, "core": run_core, "hybrid": run_hybrid}[mode](json.loads(spec_json))
