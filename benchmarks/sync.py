@@ -2,6 +2,7 @@
 against a plain copy of the same number of bytes (numpy.copyto and torch's copy_) in the same run.
 
     python benchmarks/sync.py [--dtypes bf16,fp32] [--threads 1,2] [--repeats 5] [--layers 24]
+    python benchmarks/sync.py --publish [--dtypes bf16] [--threads 2] [--layers 24]
 
 The model has Qwen2.5-0.5B's dimensions (H=896, 24 layers, nq=14, nkv=2, d=64, F=4864, V=151936,
 QKV bias, tied embeddings) with random weights. Each layout pair is timed writing every destination
@@ -153,6 +154,138 @@ def run(shape: ModelShape, dtype_names: list[str], thread_counts: list[int], rep
     console.print(table)
 
 
+# -- end-to-end publication into vLLM ----------------------------------------------------------
+
+
+def write_random_checkpoint(shape: ModelShape, directory: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Qwen2-shaped HF folder with random weights (no tokenizer: the engine runs token ids)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        tie_word_embeddings=shape.tie_embeddings,
+        max_position_embeddings=256,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    ).save_pretrained(directory)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, (rows, cols) in logical_tensors(shape).items():
+        size = (rows,) if cols == 1 else (rows, cols)
+        tensors[name] = torch.empty(size).uniform_(-0.05, 0.05, generator=gen).to(dtype)
+    save_file(tensors, f"{directory}/model.safetensors")
+    return tensors
+
+
+def run_publish(shape: ModelShape, dtype_name: str, threads: int) -> None:
+    """Megatron TP=2 shards -> two instances (TP=1 and TP=2 layouts), Libra's path (reshard into
+    shared memory + worker-extension load) against the naive one (gather full HF tensors, send them
+    as safetensors bytes, vLLM `reload_weights`), into one in-process TP=1 engine. The second
+    instance's load is timed on the same engine (a TP=2 engine does not fit this 2-core machine's
+    test budget), so "2 instances" = publish once for both layouts + 2 loads."""
+    import os
+    import tempfile
+
+    for key, value in {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }.items():
+        os.environ.setdefault(key, value)
+    from safetensors.torch import save
+    from transformers import AutoConfig
+    from vllm import LLM
+
+    from libra.sync.instance_update import apply_version
+    from libra.sync.publisher import WeightPublisher
+    from libra.sync.shm import ShmSender
+    from libra.sync.vllm_loader import WORKER_EXTENSION
+    from libra.training.hf_weights import hf_to_megatron, megatron_to_hf
+    from libra.training.model import ModelArchitecture
+
+    dtype = DTYPES[dtype_name]
+    console = Console(width=150)
+    with tempfile.TemporaryDirectory() as directory:
+        hf = write_random_checkpoint(shape, directory, dtype)
+        arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(directory))
+        per_rank = [
+            hf_to_megatron(hf.__getitem__, arch, tp_rank=r, tp_size=2, pp_rank=0, pp_size=1) for r in range(2)
+        ]
+        shards = {(r, 0, name): t for r, part in enumerate(per_rank) for name, t in part.items()}
+        llm = LLM(
+            model=directory,
+            dtype=dtype_name.replace("bf16", "bfloat16").replace("fp32", "float32"),
+            enforce_eager=True,
+            max_model_len=256,
+            skip_tokenizer_init=True,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        plans = {
+            tp: build_transfer_plan(
+                megatron_layout(shape, 2, 1), vllm_layout(shape, tp), logical_tensors(shape), dtype.itemsize
+            )
+            for tp in (1, 2)
+        }
+        table = Table(
+            title=f"publish a {shape.num_layers}-layer Qwen2.5-0.5B-shaped model ({dtype_name}), 2 instances"
+        )
+        for column in ("path", "version", "publish s", "load 1 s", "load 2 s", "total s"):
+            table.add_column(column, justify="right")
+        sender = ShmSender()
+        publisher = WeightPublisher(plans, sender, dtype, num_threads=threads)
+        for version in (1, 3):  # the first round includes page faults of fresh segments
+            start = time.perf_counter()
+            publication = publisher.publish(version, shards)
+            publish_s = time.perf_counter() - start
+            loads = []
+            for instance_version in (version, version + 1):  # two instances: two loads of the same buffers
+                request = publication.load_request(1)
+                request["version"] = instance_version
+                for rank in request["ranks"]:
+                    rank["manifest"]["version"] = instance_version
+                start = time.perf_counter()
+                result = apply_version(llm, request)
+                loads.append(time.perf_counter() - start)
+                assert result.ok, result.error
+            publisher.release(version)
+            table.add_row(
+                "libra shm",
+                str(version),
+                f"{publish_s:.2f}",
+                f"{loads[0]:.2f}",
+                f"{loads[1]:.2f}",
+                f"{publish_s + sum(loads):.2f}",
+            )
+        sender.close()
+        for round_ in (1, 2):
+            start = time.perf_counter()
+            full = megatron_to_hf([per_rank[0], per_rank[1]], arch, pp_rank=0, pp_size=1)
+            blob = save(full)
+            gather_s = time.perf_counter() - start
+            loads = []
+            for _ in range(2):
+                start = time.perf_counter()
+                llm.collective_rpc("libra_reload_hf", args=(blob,))
+                llm.reset_prefix_cache()
+                loads.append(time.perf_counter() - start)
+            table.add_row(
+                "naive gather+reload_weights",
+                f"round {round_}",
+                f"{gather_s:.2f}",
+                f"{loads[0]:.2f}",
+                f"{loads[1]:.2f}",
+                f"{gather_s + sum(loads):.2f}",
+            )
+        console.print(table)
+
+
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -165,8 +298,17 @@ def main() -> None:
         default=QWEN25_05B.num_layers,
         help="fewer layers for a quick run (must stay even for the PP=2 pairs)",
     )
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="instead: end-to-end publication into a vLLM engine against the naive path (first dtype, "
+        "first thread count)",
+    )
     args = parser.parse_args()
     shape = ModelShape(**{**QWEN25_05B.__dict__, "num_layers": args.layers})
+    if args.publish:
+        run_publish(shape, args.dtypes.split(",")[0], int(args.threads.split(",")[0]))
+        return
     run(shape, args.dtypes.split(","), [int(t) for t in args.threads.split(",")], args.repeats)
 
 

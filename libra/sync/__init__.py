@@ -3,7 +3,12 @@
 Owns resharding: the per-rank layouts of Megatron (TP, PP) and vLLM (TP) as block stacks
 (`layouts`), transfer plans between them computed by the C++ core in `libra._native`
 (`plan`), and their multi-threaded executor into flat, bucketed buffers (`executor`).
-Transports (shared memory, collectives) come later and build on these.
+Publication builds on them: the publisher writes each destination rank's buffer straight into a
+transport's memory with a manifest of per-bucket checksums (`publisher`, `transport`); the
+transports are shared memory (`shm`), a torch.distributed group (`collective`) and chunked gRPC
+(`grpc_stream`); a vLLM worker extension stages, verifies and commits a version between turns,
+never half-loaded (`vllm_loader`, driven by `instance_update`); the controller's `versions`
+ledger tracks which version each instance runs and retries failed loads.
 """
 
 from libra.sync.config import SyncConfig
@@ -22,18 +27,28 @@ from libra.sync.layouts import (
     vllm_vocab_size,
 )
 from libra.sync.plan import BucketSlice, ParamSlot, TransferPlan, build_transfer_plan
+from libra.sync.publisher import Publication, WeightPublisher
+from libra.sync.transport import BufferManifest, TransferError, WeightReceiver, WeightSender
+from libra.sync.versions import VersionLedger
 
 __all__ = [
     "Block",
     "BucketSlice",
+    "BufferManifest",
     "DestLayout",
     "ModelShape",
     "ParamSlot",
+    "Publication",
     "ShardParam",
     "SourceKey",
     "SourceLayout",
     "SyncConfig",
+    "TransferError",
     "TransferPlan",
+    "VersionLedger",
+    "WeightPublisher",
+    "WeightReceiver",
+    "WeightSender",
     "build_transfer_plan",
     "execute",
     "logical_tensors",

@@ -1,0 +1,72 @@
+"""Session fixtures for the weight-publication tests: one tiny Qwen2 model (tied embeddings, QKV
+bias, head size 32 for vLLM's CPU attention), one Megatron TP=2 training job that takes a step on
+it, and one in-process vLLM engine (TP=1) with the Libra worker extension."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from libra.sync import ModelShape
+
+PROBE_SEED = 21
+
+
+def model_shape(hf_config) -> ModelShape:
+    return ModelShape(
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
+        ffn_hidden_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        tie_embeddings=hf_config.tie_word_embeddings,
+        qkv_bias=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from tests.training.tiny_models import make_hf_model
+
+    return make_hf_model("qwen2", tmp_path_factory.mktemp("sync-model"), tie=True, seed=5, hidden=128)
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_model, tmp_path_factory) -> dict:
+    """One GRPO step at Megatron TP=2: shards, the trainer's HF export and probe logprobs."""
+    from tests.training.jobs import run_job
+
+    spec = {"tp": 2, "models": [str(tiny_model)], "probe_seed": PROBE_SEED}
+    script = str(Path(__file__).parent / "train_job.py")
+    return run_job(spec, tmp_path_factory.mktemp("sync-train"), script=script)
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_model):
+    """In-process vLLM (TP=1, fp32) on the checkpoint, with the Libra weight loader."""
+    for key, value in {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM
+
+    from libra.sync.vllm_loader import WORKER_EXTENSION
+
+    engine = LLM(
+        model=str(tiny_model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        skip_tokenizer_init=True,
+        worker_extension_cls=WORKER_EXTENSION,
+        seed=0,
+    )
+    return engine
