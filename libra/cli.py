@@ -130,18 +130,46 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from libra.job import load_job_config, run_job
+
+    config, job = load_job_config(args.job_config, args.overrides)
+    if args.resume:
+        config = dataclasses.replace(config, run_dir=args.resume)
+    run_job(config, job, resume=bool(args.resume))
+    return 0
+
+
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from libra.tasks.tiny_model import TinyModelSpec, make_tiny_model
 
-    if not args.random:
-        raise ValueError("only --random models can be made so far (trained tiny models come with the tasks)")
-    spec = TinyModelSpec(
+    shape = dict(
         arch=args.arch,
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
         seed=args.seed,
     )
+    shape = {name: value for name, value in shape.items() if value is not None}
+    if not args.random:
+        from libra.tasks.warm_start import WarmStartConfig, make_warm_started_model
+
+        recipe = WarmStartConfig()
+        recipe = dataclasses.replace(recipe, spec=dataclasses.replace(recipe.spec, **shape))
+        report = make_warm_started_model(args.dir, recipe)
+        test = report["test"]
+        print(
+            f"warm-started tiny model written to {args.dir} (step {report['kept_step']}; held-out success "
+            f"{test['success_rate']:.2f}, well-formed turns {test['wellformed_turn_rate']:.2f}; "
+            f"details in warm_start.json)",
+            flush=True,
+        )
+        return 0
+    spec = TinyModelSpec(**shape)
     out = make_tiny_model(args.dir, spec)
     print(f"tiny {spec.arch} model written to {out}", flush=True)
     return 0
@@ -182,14 +210,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_simulate)
 
+    p = sub.add_parser("run", help="run an RL job from a config file (configs/tiny_cpu.py ...)")
+    p.add_argument("job_config", metavar="CONFIG", help="Python config file defining config() and job()")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value")
+    p.set_defaults(func=cmd_run)
+
     p = sub.add_parser("make-tiny-model", help="build a tiny model with a locally trained tokenizer into DIR")
     p.add_argument("dir", metavar="DIR", help="output folder (HF: safetensors, tokenizer, chat template)")
-    p.add_argument("--random", action="store_true", help="random weights (required for now)")
-    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
-    p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--random",
+        action="store_true",
+        help="random weights (default: warm-started by a short SFT on procedural tasks, cached)",
+    )
+    # Shape defaults (None) come from TinyModelSpec, or from the warm-start recipe's spec.
+    p.add_argument("--arch", choices=("llama", "qwen2"), default=None)
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--hidden-size", type=int, default=None)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_make_tiny_model)
     return parser
 

@@ -13,11 +13,6 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libra.planner.config import PlannerConfig
-from libra.planner.elastic import ElasticConfig
-from libra.sync.config import SyncConfig
-from libra.training.config import TrainingConfig
-
 
 @dataclass
 class ControlConfig:
@@ -69,6 +64,17 @@ class BackendConfig:
         return {"num_devices": self.num_devices} if self.name == "cpu" else {}
 
 
+# Component sections are imported here, below the two sections defined in this file, because
+# component packages import `ControlConfig` from this module while it is being initialised.
+from libra.planner.config import PlannerConfig  # noqa: E402
+from libra.planner.elastic import ElasticConfig  # noqa: E402
+from libra.rollout.config import RolloutConfig  # noqa: E402
+from libra.rollout.tools.config import ToolsConfig  # noqa: E402
+from libra.sync.config import SyncConfig  # noqa: E402
+from libra.tasks.config import TasksConfig  # noqa: E402
+from libra.training.config import TrainingConfig  # noqa: E402
+
+
 @dataclass
 class LibraConfig:
     """The root config of a run."""
@@ -79,6 +85,9 @@ class LibraConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 

@@ -14,17 +14,20 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from libra.backends import get_backend
-from libra.config import LibraConfig
 from libra.control import convert
 from libra.control.auth import open_channel
 from libra.control.server import RunningServer, rpc_errors, start_server
 from libra.control.supervisor import WorkerSupervisor
 from libra.control.types import WorkerStatus
 from libra.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, controller_pb2_grpc
+
+if TYPE_CHECKING:
+    from libra.config import LibraConfig
 
 logger = logging.getLogger(__name__)
 

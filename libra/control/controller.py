@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
-from libra.config import LibraConfig
 from libra.control import convert
 from libra.control.auth import open_channel, resolve_token
 from libra.control.cluster import Cluster
@@ -26,6 +26,9 @@ from libra.planner.config import PlanningProblem
 from libra.planner.planner import Planner, PlannerEvent
 from libra.planner.service import add_planner_service
 from libra.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, controller_pb2_grpc
+
+if TYPE_CHECKING:
+    from libra.config import LibraConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,264 @@
+"""The multi-turn agent loop: one asyncio task per trajectory, thousands on one event loop.
+
+A trajectory alternates model turns and tool calls:
+
+    admit → generate on the routed instance until </tool_call> or EOS → parse and run the tool →
+    append the result tokens (loss mask 0) → router.on_tool_return says where the next turn runs →
+    ... → an answer, max turns, the token budget or the context window.
+
+Token continuity: the context sent for a turn is exactly `trajectory.token_ids`, i.e. the
+previous context, the tokens the model produced and the tool-result tokens; nothing is
+re-tokenized, so a turn may run on any instance (it re-prefills there).
+
+Interruptions keep what was produced: a generation call cut short by a Pause in ABORT mode (a
+weight update) or by a dying instance leaves its tokens in the trajectory, each tagged with the
+policy version that sampled it, and the turn continues from them — on the same instance after a
+pause, on the one the router picks after a loss. Every ending is recorded as an `Outcome` with a
+reason; nothing raises out of `run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from libra.rollout.chat import ChatFormat, ToolCallError
+from libra.rollout.client import InstanceUnavailable
+from libra.rollout.config import AgentLoopConfig
+from libra.rollout.pool import InstancePool
+from libra.rollout.tools.base import Tool, ToolResult
+from libra.rollout.types import FinishReason, SamplingSpec, Segment
+from libra.scheduler.config import CmlfqConfig
+from libra.scheduler.tool_state import ToolReturnState
+from libra.trajectory import Outcome, ToolReturn, ToolStatus, Trajectory
+
+logger = logging.getLogger(__name__)
+
+MALFORMED_TOOL = "<malformed>"
+"""Tool type of a tool call that could not be parsed (in the scheduler's tool-return state)."""
+UNKNOWN_TOOL = "<unknown>"
+"""Tool type of a call to a tool that does not exist."""
+_MAX_CONSECUTIVE_FAILURES = 3
+"""Failed calls to an instance that still answers health checks before it is treated as lost."""
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One generation call, for observers (tests check token continuity with these)."""
+
+    trajectory_id: str
+    instance_id: int
+    context_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    """None: the instance failed during the call (output_ids are the tokens kept)."""
+
+
+class _Ended(Exception):
+    """Internal: the trajectory reached an outcome."""
+
+    def __init__(self, outcome: Outcome, reason: str):
+        self.outcome, self.reason = outcome, reason
+
+
+class AgentLoop:
+    def __init__(
+        self,
+        pool: InstancePool,
+        chat: ChatFormat,
+        tools: Sequence[Tool],
+        config: AgentLoopConfig | None = None,
+        cmlfq: CmlfqConfig | None = None,
+        on_call: Callable[[CallRecord], None] | None = None,
+    ):
+        self.pool = pool
+        self.router = pool.router
+        self.chat = chat
+        self.tools = {t.name: t for t in tools}
+        self.config = config or AgentLoopConfig()
+        self.cmlfq = cmlfq or CmlfqConfig()
+        self._on_call = on_call
+        self._request_seq = itertools.count()
+
+    async def run_all(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+        return list(await asyncio.gather(*(self.run(t) for t in trajectories)))
+
+    async def run(self, trajectory: Trajectory) -> Trajectory:
+        """Runs `trajectory` (prompt set, response empty or kept from an earlier run) to an outcome."""
+        admitted = False
+        try:
+            instance_id = self.router.admit(trajectory.trajectory_id, trajectory.prompt_id).instance_id
+            admitted = True
+            await self._turns(trajectory, instance_id)
+        except _Ended as end:
+            trajectory.outcome, trajectory.outcome_reason = end.outcome, end.reason
+        except Exception as e:  # noqa: BLE001 - every ending is recorded, never raised
+            logger.exception("trajectory %s failed", trajectory.trajectory_id)
+            trajectory.outcome, trajectory.outcome_reason = Outcome.ERROR, f"{type(e).__name__}: {e}"
+        finally:
+            if admitted:
+                self._release(trajectory)
+        return trajectory
+
+    def _release(self, trajectory: Trajectory) -> None:
+        try:
+            if trajectory.outcome in (Outcome.ABORTED, Outcome.ERROR, Outcome.NO_INSTANCE):
+                self.router.on_abort(trajectory.trajectory_id)  # truncated by us: nothing to learn
+            else:
+                self.router.on_finish(trajectory.trajectory_id, trajectory.num_generated_tokens)
+        except KeyError:
+            pass  # the router no longer knows it (e.g. it was reset); nothing to free
+
+    async def _turns(self, trajectory: Trajectory, instance_id: int | None) -> None:
+        turn_start = len(trajectory.response_token_ids)
+        failures = 0
+        while True:
+            if instance_id is None or self.pool.get(instance_id).lost:
+                instance_id = await self._reroute(trajectory.trajectory_id)
+            segment = await self._generate(trajectory, instance_id)
+            if segment is None:  # the instance failed; the tokens it produced are kept
+                failures += 1
+                if failures >= _MAX_CONSECUTIVE_FAILURES:
+                    self.pool.mark_lost(instance_id, f"{failures} consecutive failed calls")
+                if await self.pool.confirm_lost(instance_id):
+                    instance_id, failures = None, 0
+                continue
+            failures = 0
+            if segment.finish_reason == FinishReason.PREEMPTED:
+                continue  # a weight update interrupted it: resubmit; the paused engine holds it
+            if segment.finish_reason == FinishReason.ABORT:
+                raise _Ended(Outcome.ABORTED, f"instance {instance_id} aborted the request")
+            if segment.finish_reason == FinishReason.LENGTH:
+                self._end_for_length(trajectory, instance_id, turn_start)
+            trajectory.num_turns += 1
+            turn = trajectory.response_token_ids[turn_start:]
+            if turn[-1] != self.chat.tool_call_end_id:
+                raise _Ended(Outcome.ANSWERED, "")
+            if trajectory.num_turns >= self.config.max_turns:
+                raise _Ended(Outcome.MAX_TURNS, f"still calling tools after {trajectory.num_turns} turns")
+            state = await self._call_tool(trajectory, turn)
+            decision = self.router.on_tool_return(
+                trajectory.trajectory_id, state, trajectory.num_generated_tokens
+            )
+            instance_id = decision.instance_id
+            turn_start = len(trajectory.response_token_ids)
+
+    async def _generate(self, trajectory: Trajectory, instance_id: int) -> Segment | None:
+        """One generation call continuing `trajectory`; appends what it produced. None when the
+        instance failed."""
+        pooled = self.pool.get(instance_id)
+        context = trajectory.token_ids
+        budget = self.config.max_response_tokens - len(trajectory.response_token_ids)
+        room = pooled.max_model_len - len(context)
+        if budget <= 0:
+            raise _Ended(
+                Outcome.MAX_TOKENS, f"response reached max_response_tokens={self.config.max_response_tokens}"
+            )
+        if room <= 0:
+            raise _Ended(
+                Outcome.CONTEXT_OVERFLOW,
+                f"context of {len(context)} tokens leaves no room in max_model_len={pooled.max_model_len}",
+            )
+        sampling = SamplingSpec(
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            top_k=self.config.top_k,
+            max_tokens=min(budget, room, self.config.max_tokens_per_turn),
+            stop_token_ids=self.chat.stop_token_ids,
+        )
+        request_id = f"{trajectory.trajectory_id}.{next(self._request_seq)}"
+        try:
+            segment = await pooled.client.generate(
+                request_id, context, sampling, self.config.stream_chunk_tokens, self.config.rpc_timeout_s
+            )
+        except InstanceUnavailable as e:
+            logger.warning("trajectory %s: instance %d failed: %s", trajectory.trajectory_id, instance_id, e)
+            self._keep(trajectory, e.partial)
+            self._record(trajectory, instance_id, context, e.partial, None)
+            return None
+        self._keep(trajectory, segment)
+        self._record(trajectory, instance_id, context, segment, segment.finish_reason)
+        return segment
+
+    @staticmethod
+    def _keep(trajectory: Trajectory, segment: Segment) -> None:
+        for chunk in segment.chunks:
+            trajectory.append(chunk.token_ids, chunk.logprobs, chunk.weight_version)
+
+    def _record(self, trajectory, instance_id, context, segment, finish) -> None:
+        if self._on_call is not None:
+            record = CallRecord(
+                trajectory.trajectory_id, instance_id, tuple(context), tuple(segment.token_ids), finish
+            )
+            self._on_call(record)
+
+    def _end_for_length(self, trajectory: Trajectory, instance_id: int, turn_start: int) -> None:
+        max_model_len = self.pool.get(instance_id).max_model_len
+        if len(trajectory.token_ids) >= max_model_len:
+            raise _Ended(Outcome.CONTEXT_OVERFLOW, f"the context filled max_model_len={max_model_len}")
+        if len(trajectory.response_token_ids) >= self.config.max_response_tokens:
+            raise _Ended(
+                Outcome.MAX_TOKENS, f"response reached max_response_tokens={self.config.max_response_tokens}"
+            )
+        raise _Ended(
+            Outcome.MAX_TOKENS,
+            f"turn {trajectory.num_turns + 1} reached max_tokens_per_turn={self.config.max_tokens_per_turn}",
+        )
+
+    async def _reroute(self, trajectory_id: str) -> int:
+        """A new instance for a displaced trajectory; waits up to `no_instance_wait_s` for one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.no_instance_wait_s
+        while True:
+            changed = self.pool.changed
+            decision = self.router.reroute(trajectory_id)
+            if decision.instance_id is not None:
+                return decision.instance_id
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise _Ended(
+                    Outcome.NO_INSTANCE, f"no rollout instance within {self.config.no_instance_wait_s} s"
+                )
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=remaining)
+            except TimeoutError:
+                pass
+
+    async def _call_tool(self, trajectory: Trajectory, turn: list[int]) -> ToolReturnState:
+        """Parses and runs the turn's tool call, appends the result tokens; returns its state."""
+        generated_before = trajectory.num_generated_tokens
+        try:
+            call = self.chat.parse_tool_call(turn)
+        except ToolCallError as e:
+            tool_type, result = MALFORMED_TOOL, ToolResult(f"error: {e}", ToolStatus.FAILURE)
+        else:
+            tool = self.tools.get(call.name)
+            if tool is None:
+                tool_type = UNKNOWN_TOOL
+                result = ToolResult(
+                    f"error: unknown tool {call.name!r}; available: {sorted(self.tools)}", ToolStatus.FAILURE
+                )
+            else:
+                tool_type, result = call.name, await self._run_tool(tool, call.arguments)
+        content = result.content
+        if len(content) > self.config.max_tool_result_chars:
+            content = content[: self.config.max_tool_result_chars] + "\n[output truncated]"
+        result_ids = self.chat.tool_result_ids(content)
+        trajectory.append(result_ids, None, 0)
+        trajectory.tool_returns.append(
+            ToolReturn(tool_type, result.status, len(result_ids), generated_before)
+        )
+        return ToolReturnState.of(tool_type, result.status, len(result_ids), self.cmlfq)
+
+    async def _run_tool(self, tool: Tool, arguments: dict) -> ToolResult:
+        try:
+            return await asyncio.wait_for(tool(arguments), timeout=self.config.tool_timeout_s)
+        except TimeoutError:
+            return ToolResult(
+                f"error: the tool timed out after {self.config.tool_timeout_s} s", ToolStatus.TIMEOUT
+            )
+        except Exception as e:  # noqa: BLE001 - a buggy tool is the model's failure result, not a crash
+            return ToolResult(f"error: the tool raised {type(e).__name__}: {e}", ToolStatus.FAILURE)

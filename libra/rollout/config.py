@@ -1,0 +1,101 @@
+"""Rollout configuration: the engine of one rollout instance, and the agent loop.
+
+Buckets (TP sizes and their remaining-token thresholds) are the scheduler's, in
+`libra.scheduler.CmlfqConfig`; nothing here repeats them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class InstanceConfig:
+    """One rollout instance: a vLLM `AsyncLLM` (in-process executor) behind the RolloutInstance
+    gRPC service."""
+
+    model: str = ""
+    """Folder of an HF checkpoint (e.g. one made by `libra make-tiny-model`)."""
+    dtype: str = "float32"
+    """Engine dtype. fp32 on CPU makes greedy output equal transformers' token for token."""
+    max_model_len: int = 2048
+    """Context window (prompt + all turns). The agent loop ends a trajectory that would exceed it
+    with CONTEXT_OVERFLOW."""
+    tensor_parallel_size: int = 1
+    """TP size k: the instance spans k devices and belongs to the bucket of TP k."""
+    kv_cache_gib: int = 1
+    """VLLM_CPU_KVCACHE_SPACE on CPU (without it vLLM reserves 92 % of RAM)."""
+    max_num_seqs: int = 256
+    """Requests the engine batches at once."""
+    enforce_eager: bool = True
+    """No torch.compile / graphs: 30-60 s less start-up on CPU for ~5 % speed."""
+    seed: int = 0
+    stats_window_s: float = 5.0
+    """Window over which Stats reports generated tokens per second."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(
+                f"rollout.instance.dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}"
+            )
+        for name in ("max_model_len", "tensor_parallel_size", "kv_cache_gib", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.instance.{name} must be >= 1, got {getattr(self, name)}")
+        if self.stats_window_s <= 0:
+            raise ValueError(f"rollout.instance.stats_window_s must be > 0, got {self.stats_window_s}")
+
+
+@dataclass
+class AgentLoopConfig:
+    """The multi-turn agent loop in the controller."""
+
+    max_turns: int = 8
+    """Model turns per trajectory; a trajectory still calling tools after this many ends MAX_TURNS."""
+    max_response_tokens: int = 4096
+    """Budget of response tokens (model and tool tokens) per trajectory; reaching it ends MAX_TOKENS."""
+    max_tokens_per_turn: int = 1024
+    """Cap on the tokens one generation call may produce."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    stream_chunk_tokens: int = 0
+    """Tokens per streamed chunk from an instance (0: one chunk per turn, the cheapest). Smaller
+    chunks keep more tokens of a turn cut short by a dying instance."""
+    max_tool_result_chars: int = 4096
+    """Tool output beyond this is cut (with a note) before it is tokenized into the context."""
+    tool_timeout_s: float = 60.0
+    """A tool call running longer ends as a TIMEOUT result."""
+    no_instance_wait_s: float = 30.0
+    """How long a trajectory waits for a rollout instance when none is ready before it ends
+    NO_INSTANCE."""
+    rpc_timeout_s: float = 600.0
+    """Deadline of one generation call."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_response_tokens", "max_tokens_per_turn", "max_tool_result_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.agent.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.agent.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.agent.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.agent.top_k must be >= 0, got {self.top_k}")
+        if self.stream_chunk_tokens < 0:
+            raise ValueError(
+                f"rollout.agent.stream_chunk_tokens must be >= 0, got {self.stream_chunk_tokens}"
+            )
+        for name in ("tool_timeout_s", "rpc_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.agent.{name} must be > 0, got {getattr(self, name)}")
+        if self.no_instance_wait_s < 0:
+            raise ValueError(f"rollout.agent.no_instance_wait_s must be >= 0, got {self.no_instance_wait_s}")
+
+
+@dataclass
+class RolloutConfig:
+    """Section `rollout` of `LibraConfig`."""
+
+    instance: InstanceConfig = field(default_factory=InstanceConfig)
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)

@@ -1,0 +1,240 @@
+"""One rollout instance's engine: vLLM's `AsyncLLM`, token-in/token-out, with pause/resume and the
+policy version of every token it produces.
+
+Requests arrive as token ids (`TokensPrompt`); nothing is detokenized. Each generation call yields
+`Chunk`s of new tokens with their sampling logprobs, each chunk produced by one weight version:
+a chunk is flushed whenever the version changes under it (Pause → weights change → Resume with a
+new version), so a trajectory resumed across an update knows which policy sampled each token.
+
+vLLM must be configured before it is imported (PLATFORM.md): `configure_vllm_env` sets the
+variables and must run first in the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from libra.rollout.config import InstanceConfig
+from libra.rollout.types import Chunk, FinishReason, InstanceStats, PauseMode, SamplingSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot take (empty or over-long prompt, duplicate id)."""
+
+
+def configure_vllm_env(config: InstanceConfig) -> None:
+    """The environment vLLM on CPU needs (set before vLLM is imported; explicit values win)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # One engine process beside the frontend instead of three: ~2.5 s start and half the memory.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+class _KvUsageLogger:
+    """A vLLM stat logger that only remembers the scheduler's last KV-cache usage."""
+
+    def __init__(self, vllm_config=None, engine_index: int = 0):
+        self.kv_cache_usage = 0.0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.kv_cache_usage = scheduler_stats.kv_cache_usage
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+
+class _Request:
+    __slots__ = ("preempted",)
+
+    def __init__(self) -> None:
+        self.preempted = False
+
+
+class InstanceEngine:
+    """Wraps one `AsyncLLM`. Create and use it inside the asyncio loop that serves it."""
+
+    def __init__(self, config: InstanceConfig):
+        if not config.model:
+            raise ValueError("rollout.instance.model must name a model folder")
+        self.config = config
+        self.weight_version = 0
+        self.paused = False
+        self._engine: AsyncLLM | None = None
+        self._kv_logger = _KvUsageLogger()
+        self._requests: dict[str, _Request] = {}
+        self._num_generated = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._started_at = time.monotonic()
+
+    def start(self) -> InstanceEngine:
+        configure_vllm_env(self.config)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self.config.model,
+            dtype=self.config.dtype,
+            max_model_len=self.config.max_model_len,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            max_num_seqs=self.config.max_num_seqs,
+            enforce_eager=self.config.enforce_eager,
+            seed=self.config.seed,
+            disable_log_stats=False,
+        )
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[lambda *a, **k: self._kv_logger])
+        self._started_at = time.monotonic()
+        return self
+
+    @property
+    def errored(self) -> bool:
+        return self._engine is not None and self._engine.errored
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, chunk_tokens: int = 0
+    ) -> AsyncIterator[Chunk]:
+        """Generates one call's tokens. Yields a chunk once `chunk_tokens` new tokens are ready (0:
+        only at the end), whenever the weight version changes, and at the end (`finish_reason` set)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        assert self._engine is not None, "start() first"
+        room = self.config.max_model_len - len(prompt_token_ids)
+        if not prompt_token_ids:
+            raise EngineInputError("prompt_token_ids must not be empty")
+        if room < 1:
+            raise EngineInputError(
+                f"prompt of {len(prompt_token_ids)} tokens leaves no room in "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        if request_id in self._requests:
+            raise EngineInputError(f"request_id {request_id!r} is already live")
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=min(sampling.max_tokens, room),
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        state = self._requests[request_id] = _Request()
+        pending = Chunk([], [], self.weight_version)
+        try:
+            async for output in self._engine.generate(
+                TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id
+            ):
+                completion = output.outputs[0]
+                if self.weight_version != pending.weight_version:
+                    if pending.token_ids:
+                        yield pending
+                    pending = Chunk([], [], self.weight_version)
+                new_ids = list(completion.token_ids)
+                pending.token_ids.extend(new_ids)
+                pending.logprobs.extend(
+                    lp[t].logprob for t, lp in zip(new_ids, completion.logprobs or [], strict=True)
+                )
+                self._count(len(new_ids))
+                if completion.finish_reason is not None:
+                    pending.finish_reason, pending.stop_token_id = _finish(completion, state.preempted)
+                    yield pending
+                    return
+                if chunk_tokens and len(pending.token_ids) >= chunk_tokens:
+                    yield pending
+                    pending = Chunk([], [], self.weight_version)
+            # The stream ended without a finish reason: the engine dropped the request.
+            pending.finish_reason = FinishReason.PREEMPTED if state.preempted else FinishReason.ABORT
+            yield pending
+        finally:
+            del self._requests[request_id]
+
+    def _count(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        self._num_generated += num_tokens
+        self._recent.append((now, num_tokens))
+        while self._recent and self._recent[0][0] < now - self.config.stats_window_s:
+            self._recent.popleft()
+
+    async def abort(self, request_ids: list[str]) -> int:
+        live = [r for r in request_ids if r in self._requests]
+        if live:
+            await self._engine.abort(live)
+        return len(live)
+
+    async def pause(self, mode: PauseMode) -> int:
+        """Stops scheduling; returns the number of requests in flight. In ABORT mode they end
+        PREEMPTED; in KEEP mode they wait for `resume`."""
+        in_flight = list(self._requests)
+        self.paused = True
+        if mode == PauseMode.ABORT:
+            for request_id in in_flight:
+                self._requests[request_id].preempted = True
+            await self.abort(in_flight)
+        await self._engine.pause_generation(mode="keep", clear_cache=False)
+        # Let the generate() coroutines take the outputs of the last steps before the version can
+        # change, so those tokens are tagged with the version that produced them.
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return len(in_flight)
+
+    async def resume(self, weight_version: int | None = None) -> int:
+        if weight_version is not None and weight_version != self.weight_version:
+            self.weight_version = weight_version
+            await self._engine.reset_prefix_cache()  # cached KV of old weights must not be reused
+        await self._engine.resume_generation()
+        self.paused = False
+        return self.weight_version
+
+    def stats(self) -> InstanceStats:
+        now = time.monotonic()
+        window = min(self.config.stats_window_s, max(now - self._started_at, 1e-3))
+        recent = sum(n for t, n in self._recent if t >= now - window)
+        return InstanceStats(
+            num_active_requests=len(self._requests),
+            kv_cache_usage=self._kv_logger.kv_cache_usage,
+            generated_tokens_per_s=recent / window,
+            num_generated_tokens=self._num_generated,
+            weight_version=self.weight_version,
+            paused=self.paused,
+            max_model_len=self.config.max_model_len,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            model=self.config.model,
+        )
+
+
+def _finish(completion, preempted: bool) -> tuple[FinishReason, int]:
+    if completion.finish_reason == "stop":
+        stop = completion.stop_reason
+        return FinishReason.STOP, stop if isinstance(stop, int) else -1
+    if completion.finish_reason == "length":
+        return FinishReason.LENGTH, -1
+    return (FinishReason.PREEMPTED if preempted else FinishReason.ABORT), -1

@@ -1,0 +1,157 @@
+"""The RolloutInstance gRPC service (asyncio) over an `InstanceEngine`, and the instance process.
+
+Run as a worker: `python -m libra.rollout.instance_server --model DIR --port 0 --address-file F`
+(token from `--token-file` or LIBRA_TOKEN). Once serving, it writes `host:port` to the address
+file (atomically), so a launcher that asked for any free port learns which one. It exits when
+the engine dies, so that its node agent reports the worker's exit and the controller notices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+
+from libra.config import ControlConfig
+from libra.control.auth import TOKEN_ENV, read_token_file
+from libra.control.convert import InvalidArgument
+from libra.rollout import convert
+from libra.rollout.aio_server import start_aio_server
+from libra.rollout.config import InstanceConfig
+from libra.rollout.engine import EngineInputError, InstanceEngine
+from libra.v1 import rollout_pb2, rollout_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutInstanceServicer(rollout_pb2_grpc.RolloutInstanceServicer):
+    def __init__(self, engine: InstanceEngine):
+        self._engine = engine
+
+    async def Generate(self, request, context):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        if request.stream_chunk_tokens < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream_chunk_tokens must be >= 0")
+        try:
+            sampling = convert.sampling_from_proto(request.sampling)
+            stream = self._engine.generate(
+                request.request_id, list(request.prompt_token_ids), sampling, request.stream_chunk_tokens
+            )
+            async for chunk in stream:
+                yield convert.chunk_to_proto(chunk)
+        except (InvalidArgument, EngineInputError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:
+            # The client went away (or cancelled): free the engine's slot at once.
+            await self._engine.abort([request.request_id])
+            raise
+        except Exception as e:  # noqa: BLE001 - engine death reaches the caller as UNAVAILABLE
+            if not self._engine.errored:
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine dead: {e}")
+
+    async def Abort(self, request, context):
+        return rollout_pb2.AbortReply(num_aborted=await self._engine.abort(list(request.request_ids)))
+
+    async def Pause(self, request, context):
+        try:
+            mode = convert.pause_mode_from_proto(request.mode)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return rollout_pb2.PauseReply(num_in_flight=await self._engine.pause(mode))
+
+    async def Resume(self, request, context):
+        version = request.weight_version if request.HasField("weight_version") else None
+        return rollout_pb2.ResumeReply(weight_version=await self._engine.resume(version))
+
+    async def Stats(self, request, context):
+        return convert.stats_to_proto(self._engine.stats())
+
+
+async def serve(
+    config: InstanceConfig, control: ControlConfig, token: str, port: int, address_file: str | None
+) -> int:
+    engine = InstanceEngine(config).start()
+
+    def add_servicers(server: grpc.aio.Server) -> list[str]:
+        rollout_pb2_grpc.add_RolloutInstanceServicer_to_server(RolloutInstanceServicer(engine), server)
+        return [rollout_pb2.DESCRIPTOR.services_by_name["RolloutInstance"].full_name]
+
+    server = await start_aio_server(control, token, add_servicers, port=port)
+    address = f"{control.host}:{server.port}"
+    if address_file:
+        tmp = Path(address_file).with_suffix(".tmp")
+        tmp.write_text(address + "\n")
+        tmp.rename(address_file)
+    logger.info("rollout instance serving %s on %s", config.model, address)
+    print(f"rollout instance serving on {address}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    exit_code = 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except TimeoutError:
+            if engine.errored:
+                logger.error("the engine died; exiting so the node agent reports it")
+                exit_code = 1
+                break
+    await server.stop(grace_s=1.0)
+    engine.shutdown()
+    return exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = InstanceConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m libra.rollout.instance_server", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--model", required=True, help="HF model folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: any free port (see --address-file)")
+    p.add_argument("--address-file", help="write host:port here once serving")
+    p.add_argument("--token-file", help=f"file holding the run's bearer token (default: ${TOKEN_ENV})")
+    p.add_argument("--dtype", default=defaults.dtype)
+    p.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    p.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size)
+    p.add_argument("--kv-cache-gib", type=int, default=defaults.kv_cache_gib)
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV, "")
+    if not token:
+        print(f"no token: pass --token-file or set {TOKEN_ENV}", file=sys.stderr)
+        return 2
+    config = InstanceConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+    exit_code = asyncio.run(serve(config, ControlConfig(host=args.host), token, args.port, args.address_file))
+    # vLLM leaves non-daemon threads behind after shutdown(); the engine is stopped, so leave now.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tasks: dataset loaders, procedural agentic tasks, rewards, and the tiny-model factory."""
