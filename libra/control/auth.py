@@ -17,7 +17,7 @@ import grpc
 from libra.config import ControlConfig
 
 TOKEN_ENV = "LIBRA_TOKEN"
-_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def resolve_token(config: ControlConfig, run_dir: str | Path, create: bool) -> str:
@@ -59,7 +59,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
 
     def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(_HEALTH_PREFIX):
+        if handler_call_details.method.startswith(HEALTH_PREFIX):
             return continuation(handler_call_details)
         presented = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         if hmac.compare_digest(presented.encode(), self._expected):

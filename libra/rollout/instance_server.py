@@ -22,7 +22,7 @@ from libra.config import ControlConfig
 from libra.control.auth import TOKEN_ENV, read_token_file
 from libra.control.convert import InvalidArgument
 from libra.rollout import convert
-from libra.rollout.aio_server import start_aio_server
+from libra.control.aio_server import start_aio_server
 from libra.rollout.config import InstanceConfig
 from libra.rollout.engine import EngineInputError, InstanceEngine
 from libra.v1 import rollout_pb2, rollout_pb2_grpc

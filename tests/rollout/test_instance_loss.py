@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from libra.config import ControlConfig
-from libra.rollout.aio_server import start_aio_server
+from libra.control.aio_server import start_aio_server
 from libra.scheduler import LeastLoadRouter
 from libra.trajectory import Outcome
 from libra.v1 import rollout_pb2, rollout_pb2_grpc

@@ -1,9 +1,7 @@
 """An asyncio gRPC server with the control plane's guarantees: bearer-token auth (health exempt),
 health checking, reflection and TLS, as `libra.control.server.start_server` gives sync servers.
-
-TODO(lead): move into libra/control beside the sync variant; the token check mirrors
-`libra.control.auth.TokenAuthInterceptor`, which is a sync `grpc.ServerInterceptor`.
-"""
+The token check mirrors `libra.control.auth.TokenAuthInterceptor` (a sync `grpc.ServerInterceptor`
+cannot serve a `grpc.aio` server)."""
 
 from __future__ import annotations
 
@@ -16,9 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from libra.config import ControlConfig
-from libra.control.auth import server_credentials
-
-_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+from libra.control.auth import HEALTH_PREFIX, server_credentials
 
 
 class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -31,7 +27,7 @@ class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(_HEALTH_PREFIX):
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
         presented = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         if hmac.compare_digest(presented.encode(), self._expected):
