@@ -129,8 +129,10 @@ class _Worker:
         fallback_dir = tempfile.mkdtemp(prefix="libra-sandbox-")
         if uid is not None:
             os.chown(fallback_dir, uid, uid)
-        python = config.python_executable or sys.executable
-        expose = sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(python))})
+        # The base interpreter, not a virtual environment's: the sandbox runs standard-library
+        # code only, and a venv may sit below /tmp (a CI checkout), which the sandbox covers.
+        python = config.python_executable or os.path.realpath(sys.executable)
+        expose = sorted({sys.base_prefix, os.path.dirname(os.path.realpath(python))})
         settings = {
             "uid": uid,
             "fallback_dir": fallback_dir,
