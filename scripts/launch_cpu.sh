@@ -1,28 +1,18 @@
 #!/usr/bin/env bash
-# The embedded CPU default: sets up .venv if missing, starts the controller and one node agent on
-# loopback with CPU slots as devices, and shows the cluster they form.
-#   bash scripts/launch_cpu.sh [RUN_DIR]
+# The embedded CPU default: sets up .venv if missing, then runs the agentic GRPO job of
+# configs/tiny_cpu.py — the controller and one node agent on loopback with CPU slots as devices,
+# the warm-started tiny policy (built once, cached under ~/.cache/libra), two rollout instances
+# under C-MLFQ, a Megatron train rank, weights published every step. About 10 minutes on 2 cores.
+#   bash scripts/launch_cpu.sh [RUN_DIR] [section.field=value ...]     (e.g. job.num_steps=3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 
 run_dir="${1:-runs/cpu-$(date +%Y%m%d-%H%M%S)}"
+shift || true
 mkdir -p "$run_dir/logs"
-pids=()
-cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-
-libra controller run_dir="$run_dir" control.port=0 >"$run_dir/logs/controller.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 100); do [ -s "$run_dir/controller.addr" ] && break; sleep 0.1; done
-[ -s "$run_dir/controller.addr" ] || { cat "$run_dir/logs/controller.log"; exit 1; }
-
-libra agent run_dir="$run_dir" >"$run_dir/logs/agent.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 100); do grep -q "serving on" "$run_dir/logs/agent.log" && break; sleep 0.1; done
-grep -q "serving on" "$run_dir/logs/agent.log" || { cat "$run_dir/logs/agent.log"; exit 1; }
-
-libra status run_dir="$run_dir"
-echo "Run folder: $run_dir (token, controller address, logs)."
-echo "The agentic GRPO job is not wired in yet (issue 10); the control plane above is live until you press Ctrl-C."
-if [ -t 0 ]; then wait; fi
+# One thread per process: the controller, two engines, a train rank and tool sandboxes share
+# the cores (PLATFORM.md: more threads than cores stall).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+libra run configs/tiny_cpu.py run_dir="$run_dir" "$@" 2> >(tee "$run_dir/logs/controller.log" >&2)
+echo "Run folder: $run_dir (report.md, plots/, metrics.jsonl, trajectories.jsonl, tensorboard/, checkpoints/)."

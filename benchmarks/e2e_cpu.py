@@ -1,0 +1,96 @@
+"""The embedded job end to end, Libra mode against a baseline mode, in one invocation.
+
+    python benchmarks/e2e_cpu.py [--steps 10] [--out runs/e2e-bench] [override ...]
+
+- Libra mode: configs/tiny_cpu.py as is (C-MLFQ routing over the TP buckets of its instances).
+- Baseline mode: the same job with least-load routing over a homogeneous pool of TP-1 instances
+  (the same number of instances) and the same static split of devices.
+
+Prints, per mode: rollout throughput (generated tokens/s over the run and per step), wall time
+per step, and the time-to-reward (seconds until the 3-step moving mean of the batch reward first
+reaches --target), then the Libra / baseline ratios. The two runs are sequential on the same
+machine; the load average is printed because the machine is shared.
+
+Honest limits of the first version: on a 2-core CPU the default pool is two TP-1 instances in
+both modes (TP-2 on CPU costs ~5 GB and is not faster on 2 cores, PLATFORM.md), and the job has
+no planner or elastic pool yet, so the modes differ only in routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from libra.job.recorder import read_jsonl  # noqa: E402
+from libra.job.run import load_job_config, run_job  # noqa: E402
+
+
+def time_to_reward(steps: list[dict], target: float, window: int = 3) -> float | None:
+    rewards = [s["mean_reward"] for s in steps]
+    for i in range(len(steps)):
+        chunk = rewards[max(0, i - window + 1) : i + 1]
+        if sum(chunk) / len(chunk) >= target:
+            return steps[i]["time_s"] - steps[0]["time_s"] + steps[0]["step_time_s"]
+    return None
+
+
+def run_mode(name: str, out: Path, overrides: list[str]) -> dict:
+    run_dir = out / name
+    config, job = load_job_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *overrides])
+    run_job(config, job)
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    rollout_s = sum(s["step_time_s"] for s in steps)
+    return {
+        "name": name,
+        "steps": steps,
+        "tokens_per_s": sum(s["generated_tokens"] for s in steps) / rollout_s,
+        "trajectories_per_s": len(samples) / rollout_s,
+        "step_s": rollout_s / len(steps),
+        "final_reward": sum(s["mean_reward"] for s in steps[-3:]) / min(3, len(steps)),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="runs/e2e-bench")
+    parser.add_argument("--target", type=float, default=0.3, help="reward level for time-to-reward")
+    parser.add_argument("overrides", nargs="*", help="section.field=value for both modes")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    common = [f"job.num_steps={args.steps}", "job.live_progress=false", *args.overrides]
+    _, job = load_job_config("configs/tiny_cpu.py", common)
+    homogeneous = ",".join("1" for _ in job.tp_sizes)
+    libra = run_mode("libra", out, common)
+    baseline = run_mode(
+        "baseline", out, [*common, "job.router=least_load", f"job.rollout_tp_sizes={homogeneous}"]
+    )
+    print(
+        f"\nload average: {os.getloadavg()}; "
+        f"pools: libra TP {job.rollout_tp_sizes}, baseline TP {homogeneous}"
+    )
+    print(
+        f"{'mode':10} {'tok/s':>8} {'traj/s':>8} {'s/step':>8} {'reward(last3)':>14} {'time-to-reward':>15}"
+    )
+    for m in (libra, baseline):
+        ttr = time_to_reward(m["steps"], args.target)
+        print(
+            f"{m['name']:10} {m['tokens_per_s']:8.0f} {m['trajectories_per_s']:8.2f} {m['step_s']:8.1f} "
+            f"{m['final_reward']:14.3f} {f'{ttr:.0f} s' if ttr is not None else 'not reached':>15}"
+        )
+    print(
+        "throughput ratio libra/baseline: "
+        f"{libra['tokens_per_s'] / baseline['tokens_per_s']:.2f} (tokens/s), "
+        f"{libra['trajectories_per_s'] / baseline['trajectories_per_s']:.2f} (trajectories/s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

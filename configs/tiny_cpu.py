@@ -1,0 +1,43 @@
+"""The embedded default: the warm-started tiny policy on procedural tool-use tasks, on one CPU
+host (`bash scripts/launch_cpu.sh`, or `libra run configs/tiny_cpu.py`). Two TP-1 rollout
+instances under C-MLFQ and one Megatron train rank, async GRPO with staleness 1, weights
+published every step. About 10 minutes on a 2-core machine; `job.num_steps=3` for a short run."""
+
+from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.job.config import JobConfig
+from libra.rollout.config import AgentLoopConfig, InstanceConfig, RolloutConfig
+from libra.training.config import GrpoConfig, TrainingConfig
+
+PROMPTS_PER_STEP = 8
+GROUP_SIZE = 8
+
+
+def config() -> LibraConfig:
+    return LibraConfig(
+        run_dir="runs/tiny-cpu",
+        # Beats every 5 s (lost after 15 s of silence): a 2-core machine under a full job can starve
+        # the agent for seconds.
+        control=ControlConfig(port=0, heartbeat_interval_s=5.0),
+        # Three CPU slots on two cores: two rollout instances and a train rank (slots share cores
+        # when there are more slots than cores; each worker runs one thread per slot).
+        backend=BackendConfig(name="cpu", num_devices=3),
+        rollout=RolloutConfig(
+            instance=InstanceConfig(max_model_len=2048, kv_cache_gib=1, max_num_seqs=64),
+            # Eight turns and 128 tokens a turn bound the tiny policy's trajectories (its
+            # contexts stay under the model's 2,048 positions).
+            agent=AgentLoopConfig(max_turns=8, max_response_tokens=1024, max_tokens_per_turn=128),
+        ),
+        training=TrainingConfig(
+            lr=5e-4,
+            max_staleness=1,
+            train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
+            max_tokens_per_microbatch=8192,
+            grpo=GrpoConfig(clip_low=0.2, clip_high=0.28),
+        ),
+    )
+
+
+def job() -> JobConfig:
+    return JobConfig(
+        num_steps=30, prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE, rollout_tp_sizes="1,1"
+    )

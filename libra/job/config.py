@@ -1,0 +1,108 @@
+"""Config of the RL job: the `job` section of `LibraConfig`.
+
+The rollout instances and the agent loop are configured by the root `rollout` section. Until
+`LibraConfig` has a section for the scheduler, the job carries the C-MLFQ buckets here
+(`job.scheduler`). The first version trains on the procedural tasks of the
+warm-started tiny policy's recipe (`libra.tasks.warm_start`); dataset-driven jobs come next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libra.scheduler.config import BucketConfig, CmlfqConfig
+
+ROUTERS = ("cmlfq", "least_load", "round_robin")
+
+
+def _tiny_buckets() -> CmlfqConfig:
+    # Remaining-token thresholds in the tiny policy's scale (turns of ~30-130 tokens).
+    return CmlfqConfig(
+        buckets=(
+            BucketConfig("short", tp_size=1, max_remaining_tokens=256),
+            BucketConfig("long", tp_size=2, max_remaining_tokens=4096),
+        ),
+        max_queue_length=16,
+    )
+
+
+@dataclass
+class JobConfig:
+    """The agentic GRPO job: its length, batch, workers and run-folder outputs."""
+
+    model: str = ""
+    """HF model folder of the initial policy; empty: the warm-started tiny model (built once and
+    cached under ~/.cache/libra, see `libra.tasks.warm_start`)."""
+    num_steps: int = 30
+    """Train steps (policy versions) to run."""
+    prompts_per_step: int = 8
+    """Prompts per train step; each yields `group_size` trajectories."""
+    group_size: int = 8
+    """Trajectories per prompt (the GRPO group)."""
+    rollout_tp_sizes: str = "1,1"
+    """TP size of each rollout instance, comma-separated (e.g. `1,1,2`). Each TP size must have a
+    bucket in `scheduler.buckets`."""
+    router: str = "cmlfq"
+    """Routing policy: `cmlfq` (C-MLFQ over TP buckets), or the baselines `least_load`,
+    `round_robin`."""
+    checkpoint_interval: int = 10
+    """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_weight_versions: int = 2
+    """Exported weight folders kept in `<run_dir>/weights` (older ones are deleted)."""
+    spawn_agent: bool = True
+    """Start one node agent on this host (the embedded default). False: wait for `num_agents`
+    agents started by a launcher (`scripts/launch_cuda.sh`)."""
+    num_agents: int = 1
+    """Node agents the job waits for before placing workers."""
+    worker_start_timeout_s: float = 600.0
+    """How long a worker may take to start serving."""
+    metrics_port: int = 0
+    """Port of the Prometheus endpoint the job serves on `control.host` (0: any free port, written
+    to `<run_dir>/metrics.port`; -1: no endpoint)."""
+    live_progress: bool = True
+    """Show the live progress table (rich) on a terminal."""
+    seed: int = 0
+    """Seed of prompt order."""
+    scheduler: CmlfqConfig = field(default_factory=_tiny_buckets)
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "prompts_per_step", "group_size", "num_agents", "keep_weight_versions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"job.{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError(
+                f"job.group_size must be >= 2 (GRPO compares within a group), got {self.group_size}"
+            )
+        if self.checkpoint_interval < 0:
+            raise ValueError(f"job.checkpoint_interval must be >= 0, got {self.checkpoint_interval}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"job.router must be one of {ROUTERS}, got {self.router!r}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"job.metrics_port must be -1 (off) or a port 0..65535, got {self.metrics_port}")
+        if self.worker_start_timeout_s <= 0:
+            raise ValueError(f"job.worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
+        tp_sizes = self.tp_sizes  # parses
+        known = {b.tp_size for b in self.scheduler.buckets}
+        missing = sorted(set(tp_sizes) - known)
+        if missing:
+            raise ValueError(
+                f"job.rollout_tp_sizes has TP sizes {missing} without a bucket; "
+                f"job.scheduler.buckets have TP sizes {sorted(known)}"
+            )
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        try:
+            sizes = [int(s) for s in self.rollout_tp_sizes.split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(
+                f"job.rollout_tp_sizes must be comma-separated integers, got {self.rollout_tp_sizes!r}"
+            ) from None
+        if not sizes or any(s < 1 for s in sizes):
+            raise ValueError(f"job.rollout_tp_sizes must list TP sizes >= 1, got {self.rollout_tp_sizes!r}")
+        return sizes
+
+    @property
+    def batch_size(self) -> int:
+        """Trajectories per train step."""
+        return self.prompts_per_step * self.group_size

@@ -1,0 +1,228 @@
+"""The asynchronous GRPO loop: draw → route/rollout → reward → gate → train → publish.
+
+    while version < num_steps:
+        launch groups while the staleness gate has room     (rollout of step n+1 runs on ...)
+        batch = the next finished groups                    (... while step n trains)
+        train on the fresh ones; publish the new weights to every instance; record; checkpoint
+
+Asynchrony comes from the gate: with `max_staleness` s, rollouts may be started for up to
+(version + s + 1) batches, so while the trainer takes step n the instances are already
+generating step n+1's groups (and switch to the new weights between tokens when they arrive).
+Trajectories whose oldest token is more than s versions old when their batch is formed are
+dropped, never trained on. Training and weight export are blocking gRPC calls made from a
+thread, so the event loop keeps driving every trajectory meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from libra.config import LibraConfig
+from libra.job.config import JobConfig
+from libra.job.recorder import RunRecorder, StepMetrics
+from libra.job.rollouts import Group, GroupRollout, TaskStream
+from libra.job.setup import JobWorkers
+from libra.training.staleness import StalenessGate
+from libra.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    run_dir: Path
+    steps: list[StepMetrics]
+    num_trajectories: int
+    """Trajectories rolled out (trained on or not)."""
+    version: int
+
+
+class GrpoJob:
+    def __init__(self, config: LibraConfig, job: JobConfig, resume: bool = False):
+        if config.training.train_batch_size != job.batch_size:
+            raise ValueError(
+                f"training.train_batch_size ({config.training.train_batch_size}) must equal "
+                f"job.prompts_per_step x job.group_size ({job.batch_size})"
+            )
+        if config.tasks.dataset_path is not None:
+            raise ValueError(
+                "tasks.dataset_path: the first version of the job trains on the procedural tasks of the "
+                "warm-started policy only; leave tasks.dataset_path unset"
+            )
+        self.config, self.job, self.resume = config, job, resume
+        self.run_dir = Path(config.run_dir)
+        self.gate = StalenessGate(config.training.max_staleness, job.batch_size)
+        self.in_flight: dict[int, asyncio.Task[Group]] = {}
+        self.finished: dict[int, Group] = {}
+        self.steps: list[StepMetrics] = []
+        self.num_rolled_out = 0
+
+    def run(self) -> JobResult:
+        return asyncio.run(self._run())
+
+    async def _run(self) -> JobResult:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.workers = JobWorkers(self.config, self.job)
+        self.recorder = RunRecorder(self.run_dir, prometheus=self._start_prometheus())
+        try:
+            await self.workers.start(self.recorder)
+            self.stream = TaskStream(self.workers.tasks, self.job.seed)
+            if self.resume:
+                await self._restore()
+            self.rollout = GroupRollout(self.workers.agent_loop, self.workers.chat, self.job.group_size)
+            await self._train_loop()
+            self._checkpoint()
+        finally:
+            for task in self.in_flight.values():
+                task.cancel()
+            await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+            await self.workers.stop()
+            self.recorder.close()
+        return JobResult(self.run_dir, self.steps, self.num_rolled_out, self.gate.version)
+
+    def _start_prometheus(self):
+        if self.job.metrics_port < 0:
+            return None
+        from libra.job.prometheus import JobMetrics
+
+        metrics = JobMetrics(self.job.metrics_port, self.config.control.host)
+        (self.run_dir / "metrics.port").write_text(f"{metrics.port}\n")
+        return metrics
+
+    async def _train_loop(self) -> None:
+        last_tokens, last_time = await self.workers.generated_tokens(), time.monotonic()
+        while self.gate.version < self.job.num_steps:
+            step_started = time.monotonic()
+            self._launch_groups()
+            batch = await self._next_batch()
+            train_started = time.monotonic()
+            diff, num_current = await self._logprob_agreement(batch)
+            stats = await asyncio.to_thread(self.workers.trainer.train_step, batch)
+            self.gate.on_train_step(len(batch))
+            if stats.version != self.gate.version:
+                raise RuntimeError(f"trainer is at version {stats.version}, the job at {self.gate.version}")
+            publish_started = time.monotonic()
+            await self.workers.publish(self.gate.version)
+            now = time.monotonic()
+            tokens = await self.workers.generated_tokens()
+            # Per instance: a restarted instance counts from zero again.
+            new_tokens = sum(n - last_tokens.get(i, 0) for i, n in tokens.items())
+            metrics = StepMetrics(
+                step=stats.version,
+                time_s=round(self.recorder.elapsed(), 2),
+                mean_reward=sum(t.reward for t in batch) / len(batch),
+                num_trajectories=len(batch),
+                num_dropped_stale=self._last_dropped,
+                generated_tokens=sum(t.num_generated_tokens for t in batch),
+                rollout_tokens_per_s=new_tokens / max(now - last_time, 1e-6),
+                step_time_s=now - step_started,
+                train_time_s=publish_started - train_started,
+                publish_time_s=now - publish_started,
+                loss=stats.loss,
+                pg_loss=stats.pg_loss,
+                entropy=stats.entropy,
+                grad_norm=stats.grad_norm,
+                mean_turns=sum(t.num_turns for t in batch) / len(batch),
+                mean_staleness=sum(stats.version - 1 - t.oldest_policy_version for t in batch) / len(batch),
+                logprob_abs_diff=diff,
+                num_current_tokens=num_current,
+            )
+            last_tokens, last_time = tokens, now
+            self.steps.append(metrics)
+            self.recorder.step(metrics)
+            self.workers.progress.step(metrics, self.job.num_steps)
+            if self.job.checkpoint_interval and self.gate.version % self.job.checkpoint_interval == 0:
+                self._checkpoint()
+
+    async def _logprob_agreement(self, batch: list[Trajectory]) -> tuple[float, int]:
+        """How far the instances' sampling logprobs are from the trainer's, over the tokens the
+        trainer's current version sampled: the check that publication delivered its weights."""
+        trainer_logprobs = await asyncio.to_thread(self.workers.trainer.compute_logprobs, batch)
+        total, count = 0.0, 0
+        for t, row in zip(batch, trainer_logprobs, strict=True):
+            for version, mask, rollout, trainer in zip(
+                t.policy_versions, t.loss_mask, t.rollout_logprobs, row, strict=True
+            ):
+                if mask and version == self.gate.version:
+                    total += abs(rollout - trainer)
+                    count += 1
+        return (total / count if count else float("nan")), count
+
+    def _launch_groups(self) -> None:
+        """Starts groups while the gate allows a whole group."""
+        while self.gate.capacity() >= self.job.group_size:
+            self.gate.try_start(self.job.group_size)
+            index = self.stream.position
+            task_index, task = self.stream.next()
+            group = Group(index, task_index, self.gate.version)
+            self.in_flight[index] = asyncio.create_task(self.rollout.run(group, task))
+
+    async def _next_batch(self) -> list[Trajectory]:
+        """The oldest finished groups, until a batch is full; stale and empty trajectories are
+        dropped (their gate slots freed) and replaced by newer ones."""
+        batch: list[Trajectory] = []
+        self._last_dropped = 0
+        while len(batch) < self.job.batch_size:
+            await self._collect_finished()
+            while self.finished and len(batch) < self.job.batch_size:
+                group = self.finished.pop(min(self.finished))
+                self.recorder.group(group)
+                self.num_rolled_out += len(group.trajectories)
+                usable = [t for t in group.trajectories if t.num_generated_tokens > 0]
+                self.gate.drop(len(group.trajectories) - len(usable))
+                fresh = self.gate.admit([t.oldest_policy_version for t in usable])
+                self._last_dropped += fresh.count(False)
+                batch += [t for t, ok in zip(usable, fresh, strict=True) if ok]
+            self._launch_groups()  # dropped trajectories returned slots
+        return batch
+
+    async def _collect_finished(self) -> None:
+        """Waits until at least one group has finished; moves every finished one over."""
+        if not any(t.done() for t in self.in_flight.values()):
+            await asyncio.wait(self.in_flight.values(), return_when=asyncio.FIRST_COMPLETED)
+        for index in [i for i, t in self.in_flight.items() if t.done()]:
+            self.finished[index] = self.in_flight.pop(index).result()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _checkpoint(self) -> None:
+        directory = self.run_dir / "checkpoints" / f"step_{self.gate.version:06d}"
+        if (directory / "job_state.json").is_file():
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        version = self.workers.trainer.save_checkpoint(str(directory / "trainer"))
+        state = {
+            "version": version,
+            "data_position": self.stream.position,
+            "gate": self.gate.state_dict(),
+            "router": self.workers.router_state(),
+            "num_rolled_out": self.num_rolled_out,
+        }
+        (directory / "job_state.json").write_text(json.dumps(state))
+        self.recorder.event("checkpoint", f"saved version {version} to {directory}")
+
+    async def _restore(self) -> None:
+        done = sorted((self.run_dir / "checkpoints").glob("step_*/job_state.json"))
+        if not done:
+            raise ValueError(f"--resume: {self.run_dir}/checkpoints holds no finished checkpoint")
+        directory = done[-1].parent
+        state = json.loads(done[-1].read_text())
+        version = await asyncio.to_thread(self.workers.trainer.load_checkpoint, str(directory / "trainer"))
+        self.gate.load_state_dict(state["gate"], release_in_flight=True)
+        self.stream.position = state["data_position"]
+        self.num_rolled_out = state["num_rolled_out"]
+        self.workers.restore_router(state["router"])
+        await self.workers.publish(version)
+        self.recorder.event("resume", f"resumed at version {version} from {directory}")
+
+
+def remove_old_weights(weights_dir: Path, keep: int) -> None:
+    versions = sorted(weights_dir.glob("v*"), key=lambda p: int(p.name[1:]))
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,114 @@
+"""The run report: `report.md` with PNG plots (reward curve, throughput, bucket occupancy over
+time with reallocation / fault events), written from the run folder's JSONL files — so it can be
+rebuilt for any run folder, finished or not (`write_report(run_dir)`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from libra.job.recorder import read_jsonl
+
+
+def write_report(run_dir: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    occupancy = read_jsonl(run_dir / "occupancy.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    plots = run_dir / "plots"
+    plots.mkdir(exist_ok=True)
+
+    def save(fig, name: str) -> str:
+        fig.tight_layout()
+        fig.savefig(plots / name, dpi=100)
+        plt.close(fig)
+        return f"plots/{name}"
+
+    x = [s["step"] for s in steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(x, [s["mean_reward"] for s in steps], marker="o", label="mean reward (batch)")
+    ax.plot(x, _moving_mean([s["mean_reward"] for s in steps], 5), label="moving mean (5 steps)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.legend()
+    reward_png = save(fig, "reward.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(
+        [o["time_s"] for o in occupancy],
+        [o["tokens_per_s"] for o in occupancy],
+        label="instances (1 s samples)",
+    )
+    ax.plot(
+        [s["time_s"] for s in steps], [s["rollout_tokens_per_s"] for s in steps], marker="o", label="per step"
+    )
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("generated tokens / s")
+    ax.legend()
+    throughput_png = save(fig, "throughput.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(occupancy[0]["buckets"]) if occupancy else []
+    for name in names:
+        ax.plot([o["time_s"] for o in occupancy], [o["buckets"].get(name, 0) for o in occupancy], label=name)
+    for e in events:
+        if e["kind"] in ("instance_lost", "instance_restarted", "plan_applied", "resume"):
+            ax.axvline(e["time_s"], color="red", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("requests in flight per bucket")
+    ax.set_title("bucket occupancy (dashed: reallocation / fault events)")
+    if names:
+        ax.legend()
+    occupancy_png = save(fig, "occupancy.png")
+
+    first, last = _window_mean(steps, head=True), _window_mean(steps, head=False)
+    lines = [
+        f"# Libra run report — `{run_dir}`",
+        "",
+        f"- steps: {len(steps)}; trajectories rolled out: {len(samples)}",
+        f"- mean reward, first {min(5, len(steps))} steps: {first:.3f}; "
+        f"last {min(5, len(steps))} steps: {last:.3f}",
+        f"- wall time: {steps[-1]['time_s'] if steps else 0:.0f} s",
+        f"- mean rollout throughput: {_mean([s['rollout_tokens_per_s'] for s in steps]):.0f} tokens/s",
+        f"- mean step time: {_mean([s['step_time_s'] for s in steps]):.1f} s "
+        f"(train {_mean([s['train_time_s'] for s in steps]):.1f} s, "
+        f"publish {_mean([s['publish_time_s'] for s in steps]):.2f} s)",
+        "",
+        f"![reward]({reward_png})",
+        f"![throughput]({throughput_png})",
+        f"![occupancy]({occupancy_png})",
+        "",
+        "## Steps",
+        "",
+        "| step | reward | trained | stale-dropped | tokens/s | step s | train s | publish s | loss "
+        "| entropy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in steps:
+        lines.append(
+            f"| {s['step']} | {s['mean_reward']:.3f} | {s['num_trajectories']} | {s['num_dropped_stale']} | "
+            f"{s['rollout_tokens_per_s']:.0f} | {s['step_time_s']:.1f} | {s['train_time_s']:.1f} | "
+            f"{s['publish_time_s']:.2f} | {s['loss']:.4f} | {s['entropy']:.3f} |"
+        )
+    lines += ["", "## Events", ""] + [f"- {e['time_s']:.1f} s — {e['kind']}: {e['message']}" for e in events]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _moving_mean(values: list[float], window: int) -> list[float]:
+    return [_mean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+def _window_mean(steps: list[dict], head: bool, window: int = 5) -> float:
+    chosen = steps[:window] if head else steps[-window:]
+    return _mean([s["mean_reward"] for s in chosen])

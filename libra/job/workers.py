@@ -1,0 +1,221 @@
+"""Placing and starting the job's workers through the control plane.
+
+The job runs the controller in its own process. It starts a node agent on this host (the embedded
+default) or waits for the agents a launcher started, then asks the agents — through the
+controller's ClusterApi, like any orchestration would — to start each rollout instance and train
+rank as a worker process on its devices. Workers write their address to a file in the run
+folder once they serve (any free port), which is how the job finds them.
+
+Placement is first-fit over the agents' devices in registration order: rollout instances first
+(TP k takes k devices of one agent), then the train ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from libra.config import LibraConfig
+from libra.control import ClusterClient, Controller, WorkerRole, WorkerSpec, WorkerState
+from libra.control.types import AgentState
+from libra.job.config import JobConfig
+from libra.training.config import TrainingConfig
+
+
+@dataclass(frozen=True)
+class Placement:
+    agent_id: str
+    devices: tuple[int, ...]
+
+
+@dataclass
+class StartedWorker:
+    worker_id: str
+    address: str
+    pid: int
+    log_path: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def training_json(training: TrainingConfig) -> str:
+    """The `--training` argument of a train rank: every field but the parallel sizes, which the
+    worker takes from its own arguments."""
+    raw = dataclasses.asdict(training)
+    for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+        raw.pop(name)
+    return json.dumps(raw)
+
+
+class JobCluster:
+    """The controller, the node agents and the job's workers; `stop()` ends what it started."""
+
+    def __init__(self, config: LibraConfig, job: JobConfig):
+        self.config = config
+        self.job = job
+        self.run_dir = Path(config.run_dir)
+        self.controller: Controller | None = None
+        self._agent_process: subprocess.Popen | None = None
+        self._client: ClusterClient | None = None
+        self._free: list[tuple[str, list[int]]] = []
+        self.workers: dict[str, Placement] = {}
+        self._stopping = threading.Event()
+
+    @property
+    def token(self) -> str:
+        assert self.controller is not None
+        return self.controller.token
+
+    def start(self) -> JobCluster:
+        self.controller = Controller(self.config).start()
+        (self.run_dir / "controller.addr").write_text(self.controller.address + "\n")
+        if self.job.spawn_agent:
+            self._spawn_agent()
+        self._client = ClusterClient(self.controller.address, self.token, self.config.control)
+        self._wait_for_agents()
+        return self
+
+    def _spawn_agent(self) -> None:
+        log = open(self.run_dir / "logs" / "agent.log", "ab")
+        argv = [
+            sys.executable,
+            "-m",
+            "libra.cli",
+            "agent",
+            "--controller",
+            self.controller.address,
+            f"run_dir={self.run_dir / 'agent'}",
+            f"backend.name={self.config.backend.name}",
+        ]
+        if self.config.backend.num_devices is not None:
+            argv.append(f"backend.num_devices={self.config.backend.num_devices}")
+        self._agent_process = subprocess.Popen(
+            argv,
+            preexec_fn=_die_with_parent,
+            env={**os.environ, "LIBRA_TOKEN": self.token},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def _wait_for_agents(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive = [a for a in self.controller.cluster.snapshot().agents if a.state == AgentState.ALIVE]
+            if len(alive) >= self.job.num_agents:
+                self._free = [(a.agent_id, sorted(d.index for d in a.devices)) for a in alive]
+                return
+            if self._agent_process is not None and self._agent_process.poll() is not None:
+                raise RuntimeError(
+                    f"the node agent exited with {self._agent_process.returncode}; "
+                    f"see {self.run_dir}/logs/agent.log"
+                )
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.job.num_agents} node agent(s) did not register within {timeout_s} s")
+
+    def place(self, num_devices: int, what: str) -> Placement:
+        """Takes `num_devices` free devices of one agent."""
+        for i, (agent_id, devices) in enumerate(self._free):
+            if len(devices) >= num_devices:
+                taken, rest = devices[:num_devices], devices[num_devices:]
+                self._free[i] = (agent_id, rest)
+                return Placement(agent_id, tuple(taken))
+        free = {a: len(d) for a, d in self._free}
+        raise ValueError(
+            f"no agent has {num_devices} free device(s) for {what}; free devices per agent: {free} "
+            "(raise backend.num_devices, or use fewer rollout instances / a smaller training.tensor_parallel)"
+        )
+
+    def agent_host(self, agent_id: str) -> str:
+        """The host part of the agent's address: where its workers serve."""
+        for a in self.controller.cluster.snapshot().agents:
+            if a.agent_id == agent_id:
+                return a.address.rsplit(":", 1)[0]
+        raise LookupError(f"no agent {agent_id!r}")
+
+    def start_worker(self, worker_id: str, role: WorkerRole, placement: Placement, argv: list[str]) -> int:
+        env = {"LIBRA_TOKEN": self.token, "PYTHONWARNINGS": "ignore"}
+        spec = WorkerSpec(worker_id, role, placement.devices, tuple(argv), env, cwd=os.getcwd())
+        status = self._client.start_worker(placement.agent_id, spec)
+        self.workers[worker_id] = placement
+        return status.pid
+
+    def worker_state(self, worker_id: str):
+        for w in self.controller.cluster.snapshot().workers:
+            if w.spec.worker_id == worker_id:
+                return w
+        return None
+
+    def wait_for_file(self, worker_id: str, path: Path) -> str:
+        """Waits until the worker has written `path` (its address or port); raises with the
+        worker's log tail when it ended first or took too long."""
+        deadline = time.monotonic() + self.job.worker_start_timeout_s
+        while time.monotonic() < deadline:
+            if self._stopping.is_set():
+                raise RuntimeError(f"the job stopped while worker {worker_id} was starting")
+            if path.is_file():
+                return path.read_text().strip()
+            status = self.worker_state(worker_id)
+            if status is not None and status.state.ended:
+                raise RuntimeError(
+                    f"worker {worker_id} ended ({status.state.name}, exit {status.exit_code}):\n"
+                    f"{_tail(status.log_path)}"
+                )
+            time.sleep(0.2)
+        status = self.worker_state(worker_id)
+        raise RuntimeError(
+            f"worker {worker_id} did not serve within {self.job.worker_start_timeout_s} s:\n"
+            f"{_tail(status.log_path if status else '')}"
+        )
+
+    def stop_worker(self, worker_id: str) -> None:
+        status = self.worker_state(worker_id)
+        if status is not None and status.state in (WorkerState.STARTING, WorkerState.RUNNING):
+            try:
+                self._client.stop_worker(worker_id, grace_s=5.0)
+            except Exception:  # noqa: BLE001 - the agent may be gone already; nothing left to stop
+                pass
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for worker_id in list(self.workers):
+            self.stop_worker(worker_id)
+        if self._client is not None:
+            self._client.close()
+        if self._agent_process is not None:
+            self._agent_process.terminate()
+            try:
+                self._agent_process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._agent_process.kill()
+        if self.controller is not None:
+            self.controller.stop()
+
+
+def _die_with_parent() -> None:
+    """The spawned node agent gets SIGTERM when the job process dies, however it dies (Linux), so
+    that a killed job leaves no agent (and, through it, no workers) behind."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _tail(path: str, num_chars: int = 3000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-num_chars:]
+    except OSError:
+        return f"(no log at {path!r})"

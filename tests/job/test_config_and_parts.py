@@ -1,0 +1,146 @@
+"""The job's pure parts: config validation and overrides, the task stream, the last-turn reward
+input, and the report built from a run folder's JSONL files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from libra.job.config import JobConfig
+from libra.job.report import write_report
+from libra.job.rollouts import TaskStream, _last_model_turn
+from libra.job.run import load_job_config
+from libra.trajectory import Trajectory
+
+CONFIG = "configs/tiny_cpu.py"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(num_steps=0), "job.num_steps"),
+        (dict(group_size=1), "job.group_size"),
+        (dict(router="fastest"), "job.router"),
+        (dict(rollout_tp_sizes="1,x"), "job.rollout_tp_sizes"),
+        (dict(rollout_tp_sizes="1,4"), "job.rollout_tp_sizes"),
+        (dict(checkpoint_interval=-1), "job.checkpoint_interval"),
+    ],
+)
+def test_bad_job_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        JobConfig(**overrides)
+
+
+def test_unknown_router_lists_the_allowed_values():
+    with pytest.raises(ValueError, match="cmlfq"):
+        JobConfig(router="fifo")
+
+
+def test_config_file_and_overrides():
+    config, job = load_job_config(
+        CONFIG, ["job.num_steps=3", "run_dir=/tmp/x", "rollout.agent.temperature=0.5", "training.lr=0.01"]
+    )
+    assert (config.run_dir, job.num_steps, config.rollout.agent.temperature, config.training.lr) == (
+        "/tmp/x",
+        3,
+        0.5,
+        0.01,
+    )
+    assert job.tp_sizes == [1, 1] and job.batch_size == config.training.train_batch_size
+    with pytest.raises(ValueError, match="unknown config option 'num_stepz'"):
+        load_job_config(CONFIG, ["job.num_stepz=3"])
+
+
+def test_batch_size_must_match_the_trainer():
+    from libra.job.loop import GrpoJob
+
+    config, job = load_job_config(CONFIG, ["job.group_size=4"])
+    with pytest.raises(ValueError, match="training.train_batch_size"):
+        GrpoJob(config, job)
+
+
+def test_task_stream_is_a_seeded_permutation_per_epoch_and_resumable():
+    tasks = [f"task{i}" for i in range(7)]
+    stream = TaskStream(tasks, seed=3)
+    first_epoch = [stream.next()[0] for _ in range(7)]
+    assert sorted(first_epoch) == list(range(7))
+    rest = [stream.next()[0] for _ in range(5)]
+    resumed = TaskStream(tasks, seed=3, position=7)
+    assert [resumed.next()[0] for _ in range(5)] == rest
+    with pytest.raises(ValueError, match="at least one task"):
+        TaskStream([], seed=0)
+
+
+def test_last_model_turn_stops_at_the_tool_result():
+    t = Trajectory("t", "p", "g", [1, 2])
+    t.append([10, 11], [-0.1, -0.2], 0)
+    t.append([20, 21, 22], None, 0)  # a tool result (loss mask 0)
+    t.append([30, 31], [-0.3, -0.4], 1)
+    assert _last_model_turn(t) == [30, 31]
+
+
+def test_report_from_run_folder(tmp_path):
+    rows = []
+    for step in range(1, 7):
+        rows.append(
+            dict(
+                step=step,
+                time_s=10.0 * step,
+                mean_reward=0.1 * step,
+                num_trajectories=16,
+                num_dropped_stale=0,
+                generated_tokens=500,
+                rollout_tokens_per_s=100.0 + step,
+                step_time_s=10.0,
+                train_time_s=2.0,
+                publish_time_s=0.1,
+                loss=0.0,
+                pg_loss=0.0,
+                entropy=1.0,
+                grad_norm=0.5,
+                mean_turns=2.0,
+                mean_staleness=0.5,
+                logprob_abs_diff=1e-6,
+                num_current_tokens=100,
+            )
+        )
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    occupancy = [
+        {"time_s": t, "buckets": {"short": t % 3, "long": 0}, "tokens_per_s": 90.0} for t in range(60)
+    ]
+    (tmp_path / "occupancy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in occupancy))
+    (tmp_path / "events.jsonl").write_text(
+        json.dumps({"time_s": 20.0, "kind": "instance_lost", "message": "x"}) + "\n"
+    )
+    report = write_report(tmp_path).read_text()
+    assert "first 5 steps: 0.300; last 5 steps: 0.400" in report
+    assert "instance_lost" in report and report.count("\n| ") == 6 + 2
+    for name in ("reward", "throughput", "occupancy"):
+        assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 1000
+
+
+def test_prometheus_endpoint_serves_the_step_metrics():
+    import urllib.request
+
+    from libra.job.prometheus import JobMetrics
+    from libra.job.recorder import StepMetrics
+
+    metrics = JobMetrics(port=0)
+    try:
+        values = dict.fromkeys(StepMetrics.__dataclass_fields__, 0)
+        metrics.on_step(StepMetrics(**{**values, "step": 3, "mean_reward": 0.25, "num_dropped_stale": 2}))
+        metrics.on_occupancy({"short": 5, "long": 1}, 123.0)
+        metrics.on_event("instance_lost")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10).read().decode()
+    finally:
+        metrics.close()
+    for line in (
+        "libra_policy_version 3.0",
+        "libra_mean_reward 0.25",
+        "libra_dropped_stale_total 2.0",
+        'libra_bucket_requests_in_flight{bucket="short"} 5.0',
+        "libra_rollout_tokens_per_second 123.0",
+        'libra_instance_events_total{kind="instance_lost"} 1.0',
+    ):
+        assert line in text, line
