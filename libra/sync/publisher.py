@@ -23,7 +23,6 @@ from libra.sync.transport import (
     CHECKSUMS,
     BucketDigest,
     BufferManifest,
-    ParamEntry,
     WeightSender,
     checksum,
 )
@@ -124,7 +123,7 @@ class WeightPublisher:
             dtype=_DTYPE_NAMES[self.dtype],
             num_bytes=plan.rank_bytes(rank),
             buckets=tuple(digests),
-            params=tuple(ParamEntry(p.name, p.offset, p.shape) for p in plan.params(rank)),
+            params=tuple(plan.params(rank)),
             checksum=self.checksum_algorithm,
         )
 

@@ -27,6 +27,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from libra.sync.plan import ParamSlot
+
 CHECKSUMS = ("xor64", "crc32")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,19 +60,6 @@ def _bytes_view(data: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class ParamEntry:
-    """A param of the destination rank: its name in the vLLM model, offset (elements), shape."""
-
-    name: str
-    offset: int
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape))
-
-
-@dataclass(frozen=True)
 class BucketDigest:
     """Bytes [start, end) of the buffer and their checksum."""
 
@@ -89,7 +78,7 @@ class BufferManifest:
     dtype: str
     num_bytes: int
     buckets: tuple[BucketDigest, ...]
-    params: tuple[ParamEntry, ...]
+    params: tuple[ParamSlot, ...]
     checksum: str = "xor64"
 
     def __post_init__(self) -> None:
@@ -134,7 +123,7 @@ class BufferManifest:
             num_bytes=int(data["num_bytes"]),
             buckets=tuple(BucketDigest(int(s), int(e), int(c)) for s, e, c in data["buckets"]),
             params=tuple(
-                ParamEntry(str(n), int(o), tuple(int(d) for d in shape)) for n, o, shape in data["params"]
+                ParamSlot(str(n), int(o), tuple(int(d) for d in shape)) for n, o, shape in data["params"]
             ),
             checksum=str(data.get("checksum", "xor64")),
         )
