@@ -8,12 +8,13 @@ the controller.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +67,7 @@ class WorkerSupervisor:
                 raise InvalidArgument(f"spec.devices {busy} are held by a running worker")
             log_path = self._log_dir / f"{spec.worker_id}.log"
             env = {**os.environ, **self._backend.worker_env(list(spec.devices)), **spec.env}
+            _check_command(spec.argv[0], env, spec.cwd)
             spawned: futures.Future[subprocess.Popen] = futures.Future()
             threading.Thread(
                 target=self._run,
@@ -100,15 +102,15 @@ class WorkerSupervisor:
         killed when its agent dies (its work has been handed back by then) but not before."""
         try:
             with open(log_path, "ab") as log:
+                wrapper = [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid())]
                 process = subprocess.Popen(
-                    list(spec.argv),
+                    [*wrapper, *spec.argv],
                     env=env,
                     cwd=spec.cwd or None,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
                 )
         except OSError as e:
             spawned.set_exception(e)
@@ -160,12 +162,29 @@ class WorkerSupervisor:
             self.stop(worker_id, grace_s)
 
 
-_PR_SET_PDEATHSIG = 1
+# Runs first in every worker process, then execs the worker's command. It sets the kernel's
+# parent-death signal (PR_SET_PDEATHSIG = 1) there rather than in a `preexec_fn`: a Python hook
+# between fork and exec makes subprocess use fork(), whose child runs gRPC's fork handlers in
+# this multi-threaded agent and can abort. The pid check closes the race with an agent that died
+# before the signal was armed.
+_EXEC_WITH_PARENT_DEATH_SIGNAL = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[1]) or os._exit(137); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
 
 
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGKILL it when the spawning thread dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _check_command(argv0: str, env: dict[str, str], cwd: str) -> None:
+    """Raises InvalidArgument when `argv0` names no executable (the exec happens in the child, too
+    late to tell the caller)."""
+    if "/" in argv0:
+        path = argv0 if os.path.isabs(argv0) or not cwd else os.path.join(cwd, argv0)
+        found = os.path.isfile(path) and os.access(path, os.X_OK)
+    else:
+        found = shutil.which(argv0, path=env.get("PATH", os.defpath)) is not None
+    if not found:
+        raise InvalidArgument(f"spec.argv cannot be started: no executable {argv0!r}")
 
 
 def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
