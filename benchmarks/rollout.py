@@ -6,9 +6,14 @@ Both sides run the same work: the Libra run records every generation call (conte
 length); the direct run replays those calls — each trajectory's calls in order, trajectories
 concurrently — with the same contexts and output lengths (greedy, EOS ignored, so the token
 counts match exactly). Tool execution is instant on both sides. Ratio = Libra tok/s / direct
-tok/s; the target is >= 0.85 (under 15 % overhead).
+tok/s; the target is >= 0.85 (under 15 % overhead). Each repeat also reports the CPU time the
+whole process tree spent (this process, the instance and both engine cores): on a shared host the
+wall-time ratio swings with other programs' load, while the CPU-time ratio (direct / Libra) shows
+what the path itself costs. Profile of the Libra side (cProfile, both processes): per call,
+grpc.aio's unary-stream set-up and read (~0.7 ms of CPU, client and server together), and in the
+instance one wake-up of the engine wrapper per generated token (vLLM DELTA outputs).
 
-Usage: python benchmarks/rollout.py [--trajectories 64] [--model DIR] [--repeats 2]
+Usage: python benchmarks/rollout.py [--trajectories 64] [--model DIR] [--repeats 10]
 Without --model it builds the tiny model and fine-tunes it to call the calculator (a few seconds).
 The machine is shared: the report prints the load average, and what ran concurrently was the
 benchmark alone plus whatever else the host runs.
@@ -25,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -168,31 +175,68 @@ class _DirectSide:
         self.engine.shutdown()
 
 
-async def _compare(model_dir: Path, tokenizer, workdir: Path, count: int, repeats: int) -> list[float]:
+def _cpu_seconds() -> float:
+    """CPU time used so far by this process and every process below it (the instance and the
+    engine-core processes of both sides). Unlike wall time it hardly moves with the load other
+    programs put on the host, so it shows the path's own cost even on a busy machine."""
+    total = 0.0
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+async def _measured(coro):
+    """(result, wall seconds, CPU seconds of the whole process tree) of awaiting `coro`."""
+    cpu, start = _cpu_seconds(), time.perf_counter()
+    result = await coro
+    return result, time.perf_counter() - start, _cpu_seconds() - cpu
+
+
+async def _compare(model_dir: Path, tokenizer, workdir: Path, count: int, repeats: int):
     """Both sides stay up the whole time and alternate, so that the host's varying load hits
-    them alike; each repeat's ratio compares neighbouring runs of identical work."""
+    them alike; each repeat's ratio compares neighbouring runs of identical work. Greedy decoding
+    makes every repeat's calls the same, so odd repeats run the direct side first (replaying the
+    previous repeat's calls): neither side always runs right after the other. Returns the
+    per-repeat wall-time ratios and CPU-time ratios (direct / Libra)."""
     libra = _LibraSide(model_dir, tokenizer, workdir)
     await libra.start()
     direct = _DirectSide(model_dir)
     try:
-        _, _, _, warmup_calls = await libra.run(8, "warm")
-        await direct.run(warmup_calls)
-        ratios = []
+        _, _, _, calls = await libra.run(count, "warm")
+        await direct.run(calls)
+        _, idle_s, idle_cpu = await _measured(asyncio.sleep(2.0))
+        print(
+            f"idle process tree: {idle_cpu / idle_s:.3f} CPU s per s (counted in both sides' CPU)", flush=True
+        )
+        ratios, cpu_ratios = [], []
         for repeat in range(repeats):
-            tokens, libra_s, trajectories, calls = await libra.run(count, f"r{repeat}-")
-            direct_tokens, direct_s = await direct.run(calls)
+            direct_first = repeat % 2 == 1
+            if direct_first:
+                (direct_tokens, _), direct_s, direct_cpu = await _measured(direct.run(calls))
+            (tokens, _, trajectories, calls), libra_s, libra_cpu = await _measured(
+                libra.run(count, f"r{repeat}-")
+            )
+            if not direct_first:
+                (direct_tokens, _), direct_s, direct_cpu = await _measured(direct.run(calls))
             if direct_tokens != tokens:
                 raise AssertionError(f"replay produced {direct_tokens} tokens, Libra {tokens}")
-            ratio = direct_s / libra_s
-            ratios.append(ratio)
+            ratios.append(direct_s / libra_s)
+            cpu_ratios.append(direct_cpu / libra_cpu)
             turns = sum(t.num_turns for t in trajectories)
             print(
-                f"repeat {repeat}: {count} trajectories, {turns} turns, {tokens} generated tokens | "
-                f"libra {tokens / libra_s:,.0f} tok/s ({libra_s:.2f} s) | "
-                f"direct vLLM {tokens / direct_s:,.0f} tok/s ({direct_s:.2f} s) | ratio {ratio:.3f}",
+                f"repeat {repeat}: {count} trajectories, {turns} turns, {len(calls)} generate calls "
+                f"(one response message each), {tokens} generated tokens | "
+                f"libra {tokens / libra_s:,.0f} tok/s ({libra_s:.2f} s, CPU {libra_cpu:.2f} s) | "
+                f"direct vLLM {tokens / direct_s:,.0f} tok/s ({direct_s:.2f} s, CPU {direct_cpu:.2f} s) | "
+                f"ratio {ratios[-1]:.3f}, CPU ratio {cpu_ratios[-1]:.3f}"
+                f"{' (direct ran first)' if direct_first else ''}",
                 flush=True,
             )
-        return ratios
+        return ratios, cpu_ratios
     finally:
         await libra.stop()
         direct.stop()
@@ -202,7 +246,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--model", help="a model folder with the tiny chat format (default: build one)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     os.environ.update(_engine_env())
     configure_vllm_env(InstanceConfig(model="unused"))
@@ -212,11 +256,14 @@ def main() -> int:
         workdir = Path(tmp)
         model_dir = Path(args.model) if args.model else _build_model(workdir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        ratios = asyncio.run(_compare(model_dir, tokenizer, workdir, args.trajectories, args.repeats))
+        ratios, cpu_ratios = asyncio.run(
+            _compare(model_dir, tokenizer, workdir, args.trajectories, args.repeats)
+        )
     load = os.getloadavg()
     print(
         f"rollout path / direct vLLM tok/s: median {statistics.median(ratios):.3f}, best {max(ratios):.3f} "
-        f"(target >= 0.85); load average {load[0]:.2f} on {os.cpu_count()} cores"
+        f"(target >= 0.85); CPU-time ratio (direct / Libra, whole process tree): median "
+        f"{statistics.median(cpu_ratios):.3f}; load average {load[0]:.2f} on {os.cpu_count()} cores"
     )
     return 0
 

@@ -246,7 +246,7 @@ def run_publish(shape: ModelShape, dtype_name: str, threads: int) -> None:
             publish_s = time.perf_counter() - start
             loads = []
             for instance_version in (version, version + 1):  # two instances: two loads of the same buffers
-                request = publication.load_request(1)
+                request = publication.load_request(1).to_dict()
                 request["version"] = instance_version
                 for rank in request["ranks"]:
                     rank["manifest"]["version"] = instance_version

@@ -91,6 +91,16 @@ class LibraConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 
+    def check_consistency(self) -> None:
+        """Checks that span sections (run once all overrides are applied: each override alone is
+        validated by its own section)."""
+        sampling, scoring = self.rollout.agent.temperature, self.training.grpo.temperature
+        if sampling > 0 and sampling != scoring:
+            raise ValueError(
+                f"training.grpo.temperature ({scoring}) must equal rollout.agent.temperature ({sampling}): "
+                "the trainer must score tokens under the distribution they were sampled from"
+            )
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> LibraConfig:
     """Loads `config()` from a Python config file (defaults when `path` is None) and applies
@@ -111,6 +121,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"config() in {path} returned {type(cfg).__name__}, expected LibraConfig")
     for item in overrides or []:
         cfg = apply_override(cfg, item)
+    cfg.check_consistency()
     return cfg
 
 

@@ -55,3 +55,12 @@ def test_config_file_must_define_config(tmp_path):
         load_config(bad)
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "missing.py")
+
+
+def test_sampling_and_scoring_temperatures_must_agree():
+    with pytest.raises(ValueError, match=r"training.grpo.temperature \(1.0\) must equal rollout.agent"):
+        load_config(None, ["rollout.agent.temperature=0.6"])
+    cfg = load_config(None, ["rollout.agent.temperature=0.6", "training.grpo.temperature=0.6"])
+    assert cfg.training.grpo.temperature == cfg.rollout.agent.temperature == 0.6
+    # Greedy rollouts (evaluation) score at any temperature.
+    assert load_config(None, ["rollout.agent.temperature=0"]).training.grpo.temperature == 1.0

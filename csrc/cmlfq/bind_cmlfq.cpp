@@ -55,8 +55,21 @@ void bind_cmlfq(py::module_& m) {
       .def("on_finish", &Scheduler::on_finish, release_gil())
       .def("on_abort", &Scheduler::on_abort, release_gil())
       .def("reroute", [](Scheduler& s, const std::string& t) { return as_tuple(s.reroute(t)); }, release_gil())
-      .def("add_instance", &Scheduler::add_instance, release_gil())
+      .def("add_instance", &Scheduler::add_instance, release_gil(), py::arg("instance"), py::arg("bucket"),
+           py::arg("ready"), py::arg("weight") = 1)
       .def("remove_instance", &Scheduler::remove_instance, release_gil())
+      .def("update_buckets",
+           [](Scheduler& s, std::vector<int64_t> thresholds,
+              const std::vector<std::pair<cmlfq::InstanceId, uint32_t>>& instance_buckets) {
+             std::vector<std::pair<std::string, DecisionTuple>> moved;
+             for (const auto& [id, d] : s.update_buckets(std::move(thresholds), instance_buckets)) {
+               moved.emplace_back(id, as_tuple(d));
+             }
+             return moved;
+           },
+           release_gil(), py::arg("thresholds"), py::arg("instance_buckets"),
+           "(trajectory id, (bucket, instance, reason, migrated)) of each trajectory moved, ascending id.")
+      .def("thresholds", &Scheduler::thresholds, release_gil())
       .def("set_instance_ready", &Scheduler::set_instance_ready, release_gil())
       .def("instance_loads",
            [](const Scheduler& s) {

@@ -15,19 +15,45 @@ bool id_less(const InstanceLoad& load, InstanceId id) { return load.id < id; }
 InstanceTable::InstanceTable(uint32_t num_buckets, uint32_t max_queue_length)
     : max_queue_length_(max_queue_length), by_bucket_(num_buckets) {}
 
-void InstanceTable::add(InstanceId id, uint32_t bucket, bool ready) {
+void InstanceTable::add(InstanceId id, uint32_t bucket, bool ready, uint32_t weight) {
   if (id < 0) throw std::invalid_argument("instance ids must be non-negative");
+  if (weight == 0) throw std::invalid_argument("instance weights must be >= 1");
   if (bucket >= by_bucket_.size()) throw std::invalid_argument("no bucket " + std::to_string(bucket));
   const auto it = std::lower_bound(instances_.begin(), instances_.end(), id, id_less);
   if (it != instances_.end() && it->id == id) {
     throw std::invalid_argument("instance " + std::to_string(id) + " already exists");
   }
-  instances_.insert(it, InstanceLoad{id, bucket, 0, ready});
+  instances_.insert(it, InstanceLoad{id, bucket, 0, ready, weight});
   index_buckets();
 }
 
 void InstanceTable::remove(InstanceId id) {
   instances_.erase(instances_.begin() + (&at(id) - instances_.data()));
+  index_buckets();
+}
+
+void InstanceTable::rebucket(uint32_t num_buckets, const std::vector<std::pair<InstanceId, uint32_t>>& buckets) {
+  if (num_buckets == 0) throw std::invalid_argument("rebucket needs at least one bucket");
+  std::vector<uint32_t> assigned(instances_.size(), kNone);
+  for (const auto& [id, bucket] : buckets) {
+    const auto it = std::lower_bound(instances_.begin(), instances_.end(), id, id_less);
+    if (it == instances_.end() || it->id != id) {
+      throw std::invalid_argument("rebucket names unknown instance " + std::to_string(id));
+    }
+    if (bucket >= num_buckets) {
+      throw std::invalid_argument("instance " + std::to_string(id) + ": no bucket " + std::to_string(bucket));
+    }
+    uint32_t& slot = assigned[it - instances_.begin()];
+    if (slot != kNone) throw std::invalid_argument("rebucket names instance " + std::to_string(id) + " twice");
+    slot = bucket;
+  }
+  for (size_t i = 0; i < instances_.size(); ++i) {
+    if (assigned[i] == kNone) {
+      throw std::invalid_argument("rebucket leaves instance " + std::to_string(instances_[i].id) + " without a bucket");
+    }
+  }
+  for (size_t i = 0; i < instances_.size(); ++i) instances_[i].bucket = assigned[i];
+  by_bucket_.assign(num_buckets, {});
   index_buckets();
 }
 
@@ -60,11 +86,15 @@ uint32_t InstanceTable::least_loaded(const std::vector<uint32_t>& candidates, In
   uint32_t best = kNone;
   for (const uint32_t i : candidates) {
     const InstanceLoad& load = instances_[i];
-    if (!load.ready || (capped && load.active >= max_queue_length_)) continue;
-    if (best == kNone || load.active < instances_[best].active ||
-        (load.active == instances_[best].active && load.id == previous)) {
+    if (!load.ready || (capped && uint64_t{load.active} >= uint64_t{max_queue_length_} * load.weight)) continue;
+    if (best == kNone) {
       best = i;
+      continue;
     }
+    // active / weight compared exactly, by cross-multiplication.
+    const uint64_t mine = uint64_t{load.active} * instances_[best].weight;
+    const uint64_t theirs = uint64_t{instances_[best].active} * load.weight;
+    if (mine < theirs || (mine == theirs && load.id == previous)) best = i;
   }
   return best;
 }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "cmlfq/cmlfq.h"
@@ -15,6 +16,7 @@ struct InstanceLoad {
   uint32_t bucket;
   uint32_t active;
   bool ready;
+  uint32_t weight;  // its capacity relative to the smallest instance's (1 for equal instances)
 };
 
 struct Placement {
@@ -27,13 +29,19 @@ class InstanceTable {
  public:
   InstanceTable(uint32_t num_buckets, uint32_t max_queue_length);
 
-  void add(InstanceId id, uint32_t bucket, bool ready);
+  // weight >= 1: loads compare as active / weight, and the cap is max_queue_length * weight, so a
+  // TP-8 instance that holds ten times the sequences of a TP-1 one takes ten times the load.
+  void add(InstanceId id, uint32_t bucket, bool ready, uint32_t weight = 1);
   void remove(InstanceId id);
   void set_ready(InstanceId id, bool ready);
   bool is_ready(InstanceId id) const;  // false for kNoInstance
+  uint32_t bucket_of(InstanceId id) const { return at(id).bucket; }
+  // A new bucket count, and the new bucket of every instance (each named exactly once). Throws
+  // std::invalid_argument, changing nothing, when the mapping is not exactly that.
+  void rebucket(uint32_t num_buckets, const std::vector<std::pair<InstanceId, uint32_t>>& buckets);
 
-  // Where a trajectory that wants `bucket` goes: the least-loaded ready instance of that bucket
-  // with fewer than max_queue_length trajectories; else the same in the nearest other bucket
+  // Where a trajectory that wants `bucket` goes: the least-loaded (active / weight) ready instance
+  // of that bucket with fewer than max_queue_length * weight trajectories; else the same in the nearest other bucket
   // (at equal distance the larger one: a long trajectory on too small a bucket costs more than
   // the reverse); else the least-loaded ready instance anywhere, full or not. Ties go to
   // `previous` (its prefix cache is warm), then to the lowest id.

@@ -28,6 +28,7 @@ int32_t clamp_tokens(int64_t tokens) {
 
 Scheduler::Scheduler(Config config)
     : config_(std::move(config)),
+      thresholds_(config_.bucket_thresholds),
       model_(config_.p90_window, config_.rebuild_window),
       instances_(static_cast<uint32_t>(config_.bucket_thresholds.size()), config_.max_queue_length) {}
 
@@ -90,7 +91,7 @@ Scheduler::BucketChoice Scheduler::choose_bucket(Trajectory& trajectory) {
 }
 
 uint32_t Scheduler::bucket_for_tokens(int64_t tokens) const {
-  const auto& thresholds = config_.bucket_thresholds;
+  const auto& thresholds = thresholds_;
   for (uint32_t b = 0; b < thresholds.size(); ++b) {
     if (tokens <= thresholds[b]) return b;
   }
@@ -99,7 +100,7 @@ uint32_t Scheduler::bucket_for_tokens(int64_t tokens) const {
 
 // mean <= threshold compared as sum <= threshold * count: exact, with no floating point rounding.
 uint32_t Scheduler::bucket_for_mean(const NodeStats& stats) const {
-  const auto& thresholds = config_.bucket_thresholds;
+  const auto& thresholds = thresholds_;
   for (uint32_t b = 0; b < thresholds.size(); ++b) {
     if (stats.sum <= thresholds[b] * stats.count) return b;
   }
@@ -153,9 +154,44 @@ void Scheduler::release(const TrajectoryId& id, Trajectory& trajectory) {
   live_.erase(id);
 }
 
-void Scheduler::add_instance(InstanceId instance, uint32_t bucket, bool ready) {
+void Scheduler::add_instance(InstanceId instance, uint32_t bucket, bool ready, uint32_t weight) {
   std::lock_guard lock(mutex_);
-  instances_.add(instance, bucket, ready);
+  instances_.add(instance, bucket, ready, weight);
+}
+
+// Re-planning is rare, so every live trajectory is visited; sorting the ids makes the placements
+// (which depend on the loads the earlier moves left) independent of the hash map's order.
+std::vector<std::pair<TrajectoryId, Decision>> Scheduler::update_buckets(
+    std::vector<int64_t> thresholds, const std::vector<std::pair<InstanceId, uint32_t>>& instance_buckets) {
+  std::lock_guard lock(mutex_);
+  if (thresholds.empty()) throw std::invalid_argument("update_buckets needs at least one threshold");
+  instances_.rebucket(static_cast<uint32_t>(thresholds.size()), instance_buckets);
+  thresholds_ = std::move(thresholds);
+  const auto last = static_cast<uint32_t>(thresholds_.size() - 1);
+  std::vector<TrajectoryId> ids;
+  ids.reserve(live_.size());
+  for (const auto& entry : live_) ids.push_back(entry.first);
+  std::sort(ids.begin(), ids.end());
+  std::vector<std::pair<TrajectoryId, Decision>> moved;
+  for (const TrajectoryId& id : ids) {
+    Trajectory& trajectory = live_.at(id);
+    const bool placed = trajectory.instance != kNoInstance;
+    trajectory.bucket = placed ? instances_.bucket_of(trajectory.instance) : std::min(trajectory.bucket, last);
+    if (trajectory.path.empty()) continue;  // nothing learned about it yet: it stays where it runs
+    const BucketChoice choice = choose_bucket(trajectory);
+    if (choice.bucket == trajectory.bucket) continue;
+    if (!placed) {
+      trajectory.bucket = choice.bucket;  // placed there when rerouted
+      continue;
+    }
+    moved.emplace_back(id, move_to(trajectory, choice.bucket, choice.reason));
+  }
+  return moved;
+}
+
+std::vector<int64_t> Scheduler::thresholds() const {
+  std::lock_guard lock(mutex_);
+  return thresholds_;
 }
 
 std::vector<TrajectoryId> Scheduler::remove_instance(InstanceId instance) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cmlfq/causal_model.h"
@@ -35,7 +36,17 @@ class Scheduler {
   void on_abort(const TrajectoryId& trajectory);
   Decision reroute(const TrajectoryId& trajectory);
 
-  void add_instance(InstanceId instance, uint32_t bucket, bool ready);
+  void add_instance(InstanceId instance, uint32_t bucket, bool ready, uint32_t weight = 1);
+  // A new plan changed the buckets: `thresholds` replace the bucket thresholds (their count may
+  // change) and `instance_buckets` gives every instance of the table its new bucket (each exactly
+  // once; nothing changes if it does not). Every live trajectory is then decided again under the
+  // new thresholds, in ascending id order: its bucket is where its instance now is (unplaced: its
+  // old bucket, clamped), unless its causal path's mean and P90 agree on another bucket, in which
+  // case it is moved there now (its next turn runs on the new instance). Returns the decisions of
+  // the trajectories that moved, ascending id.
+  std::vector<std::pair<TrajectoryId, Decision>> update_buckets(
+      std::vector<int64_t> thresholds, const std::vector<std::pair<InstanceId, uint32_t>>& instance_buckets);
+  std::vector<int64_t> thresholds() const;
   // Returns the trajectories that ran there, ascending; they stay live, unplaced, until rerouted.
   std::vector<TrajectoryId> remove_instance(InstanceId instance);
   void set_instance_ready(InstanceId instance, bool ready);
@@ -82,6 +93,7 @@ class Scheduler {
   void release(const TrajectoryId& id, Trajectory& trajectory);
 
   const Config config_;
+  std::vector<int64_t> thresholds_;  // config_'s until update_buckets replaces them
   mutable std::mutex mutex_;
   CausalModel model_;
   InstanceTable instances_;

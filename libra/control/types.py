@@ -46,6 +46,9 @@ class EventKind(enum.IntEnum):
     PLAN_PROPOSED = 9
     PLAN_REJECTED = 10
     PLAN_VETOED = 11
+    PLAN_EXECUTED = 12
+    JOB = 13
+    """The RL job's own progress: each step with its metrics, checkpoints, restarts, resume."""
 
 
 @dataclass(frozen=True)

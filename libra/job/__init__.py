@@ -1,7 +1,8 @@
 """The RL job: what `libra run CONFIG` runs. Owns worker launch through the control plane
 (`workers`, `setup`), the asynchronous GRPO loop with bounded staleness (`loop`), group rollout
-with rewards and traces (`rollouts`), weight publication to instances (`setup.publish`, the
-instance-side `instance_worker`), checkpoints and resume (`loop`), and the run folder: metrics,
+with rewards and traces (`rollouts`), weight publication to instances (`setup.publish`: the
+trainer's PublishWeights, then every instance's LoadWeights, retried through `libra.sync`'s
+version ledger), checkpoints and resume (`loop`), and the run folder: metrics,
 TensorBoard, trajectories, live progress and the report (`recorder`, `progress`, `report`)."""
 
 from libra.job.config import JobConfig

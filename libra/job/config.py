@@ -48,7 +48,7 @@ class JobConfig:
     checkpoint_interval: int = 10
     """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
     keep_weight_versions: int = 2
-    """Exported weight folders kept in `<run_dir>/weights` (older ones are deleted)."""
+    """Published versions whose shared-memory buffers are kept, besides any an instance runs."""
     spawn_agent: bool = True
     """Start one node agent on this host (the embedded default). False: wait for `num_agents`
     agents started by a launcher (`scripts/launch_cuda.sh`)."""

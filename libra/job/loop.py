@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from libra.job.config import JobConfig
 from libra.job.recorder import RunRecorder, StepMetrics
 from libra.job.rollouts import Group, GroupRollout, TaskStream
 from libra.job.setup import JobWorkers
+from libra.job.trainer import measure_logprob_gap
 from libra.training.staleness import StalenessGate
 from libra.trajectory import Trajectory
 
@@ -45,6 +45,7 @@ class JobResult:
 
 class GrpoJob:
     def __init__(self, config: LibraConfig, job: JobConfig, resume: bool = False):
+        config.check_consistency()
         if config.training.train_batch_size != job.batch_size:
             raise ValueError(
                 f"training.train_batch_size ({config.training.train_batch_size}) must equal "
@@ -72,6 +73,7 @@ class GrpoJob:
         self.recorder = RunRecorder(self.run_dir, prometheus=self._start_prometheus())
         try:
             await self.workers.start(self.recorder)
+            self.recorder.publish_to(self.workers.cluster.controller.events)
             self.stream = TaskStream(self.workers.tasks, self.job.seed)
             if self.resume:
                 await self._restore()
@@ -102,7 +104,8 @@ class GrpoJob:
             self._launch_groups()
             batch = await self._next_batch()
             train_started = time.monotonic()
-            diff, num_current = await self._logprob_agreement(batch)
+            # Before the update: the trainer still runs the version that sampled the compared tokens.
+            gap = await asyncio.to_thread(measure_logprob_gap, self.workers.trainer, batch, self.gate.version)
             stats = await asyncio.to_thread(self.workers.trainer.train_step, batch)
             self.gate.on_train_step(len(batch))
             if stats.version != self.gate.version:
@@ -130,8 +133,9 @@ class GrpoJob:
                 grad_norm=stats.grad_norm,
                 mean_turns=sum(t.num_turns for t in batch) / len(batch),
                 mean_staleness=sum(stats.version - 1 - t.oldest_policy_version for t in batch) / len(batch),
-                logprob_abs_diff=diff,
-                num_current_tokens=num_current,
+                logprob_abs_diff=gap.mean,
+                logprob_max_abs_diff=gap.max,
+                num_current_tokens=gap.num_tokens,
             )
             last_tokens, last_time = tokens, now
             self.steps.append(metrics)
@@ -139,20 +143,6 @@ class GrpoJob:
             self.workers.progress.step(metrics, self.job.num_steps)
             if self.job.checkpoint_interval and self.gate.version % self.job.checkpoint_interval == 0:
                 self._checkpoint()
-
-    async def _logprob_agreement(self, batch: list[Trajectory]) -> tuple[float, int]:
-        """How far the instances' sampling logprobs are from the trainer's, over the tokens the
-        trainer's current version sampled: the check that publication delivered its weights."""
-        trainer_logprobs = await asyncio.to_thread(self.workers.trainer.compute_logprobs, batch)
-        total, count = 0.0, 0
-        for t, row in zip(batch, trainer_logprobs, strict=True):
-            for version, mask, rollout, trainer in zip(
-                t.policy_versions, t.loss_mask, t.rollout_logprobs, row, strict=True
-            ):
-                if mask and version == self.gate.version:
-                    total += abs(rollout - trainer)
-                    count += 1
-        return (total / count if count else float("nan")), count
 
     def _launch_groups(self) -> None:
         """Starts groups while the gate allows a whole group."""
@@ -220,9 +210,3 @@ class GrpoJob:
         self.workers.restore_router(state["router"])
         await self.workers.publish(version)
         self.recorder.event("resume", f"resumed at version {version} from {directory}")
-
-
-def remove_old_weights(weights_dir: Path, keep: int) -> None:
-    versions = sorted(weights_dir.glob("v*"), key=lambda p: int(p.name[1:]))
-    for old in versions[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)

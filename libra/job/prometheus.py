@@ -1,5 +1,6 @@
 """The job's Prometheus endpoint (served by the controller process, `job.metrics_port`): per-step
-gauges (reward, step/train/publish times, staleness, stale drops), rollout throughput and
+gauges (reward, step/train/publish times, staleness, stale drops, the train/inference logprob
+gap), rollout throughput and
 requests in flight per bucket (sampled every second), and counters of trajectories, instance
 losses and restarts."""
 
@@ -24,6 +25,8 @@ class JobMetrics:
                                   registry=r)  # fmt: skip
         self.in_flight = Gauge("libra_bucket_requests_in_flight", "Requests in flight per bucket", ["bucket"],
                                registry=r)  # fmt: skip
+        self.logprob_gap = Gauge("libra_logprob_gap", "Train/inference |logprob diff| of the last step",
+                                 ["stat"], registry=r)  # fmt: skip
         self.faults = Counter("libra_instance_events_total", "Rollout instance losses and restarts", ["kind"],
                               registry=r)  # fmt: skip
         self.server, _ = start_http_server(port, addr=host, registry=r)
@@ -39,6 +42,9 @@ class JobMetrics:
         ):
             self.step_seconds.labels(phase).set(seconds)
         self.staleness.set(m.mean_staleness)
+        if m.num_current_tokens:  # the gap is NaN for steps without a comparable trajectory
+            self.logprob_gap.labels("mean").set(m.logprob_abs_diff)
+            self.logprob_gap.labels("max").set(m.logprob_max_abs_diff)
         self.dropped.inc(m.num_dropped_stale)
         self.trajectories.inc(m.num_trajectories)
 

@@ -40,10 +40,14 @@ class StepMetrics:
     mean_staleness: float
     """Trainer version minus each trajectory's oldest policy version, averaged."""
     logprob_abs_diff: float
-    """Mean |rollout logprob - trainer logprob| over the batch's tokens sampled by the trainer's
-    current version: ~1e-6 when the instances run exactly the trainer's weights."""
+    """The train/inference gap, mean over tokens: |rollout logprob - trainer logprob| of the same
+    tokens under the same weights, over a sample of the batch's trajectories whose tokens all came
+    from the trainer's version before the step (NaN when none did). ~1e-6 in fp32 when the
+    instances run exactly the trainer's weights."""
+    logprob_max_abs_diff: float
+    """The same gap's largest token."""
     num_current_tokens: int
-    """Tokens that `logprob_abs_diff` is measured over."""
+    """Tokens the gap is measured over."""
 
 
 class RunRecorder:
@@ -51,6 +55,7 @@ class RunRecorder:
         """`prometheus`: a `libra.job.prometheus.JobMetrics` to mirror steps, occupancy and events."""
         self.run_dir = run_dir
         self._prometheus = prometheus
+        self._events = None
         # A resumed run continues the clock of the metrics it appends to.
         previous = read_jsonl(run_dir / "metrics.jsonl")
         self.started = time.monotonic() - (previous[-1]["time_s"] if previous else 0.0)
@@ -89,8 +94,18 @@ class RunRecorder:
                 },
             )
 
+    def publish_to(self, events) -> None:
+        """Mirrors steps and events into the controller's event log (`libra.control.events`), so
+        `libra status --watch` and any WatchEvents client follow the job live."""
+        self._events = events
+
     def step(self, metrics: StepMetrics) -> None:
         self._write("metrics", asdict(metrics))
+        self._publish(
+            f"step {metrics.step}: reward {metrics.mean_reward:.3f}, "
+            f"{metrics.num_trajectories} trajectories, {metrics.rollout_tokens_per_s:.0f} tok/s, "
+            f"step {metrics.step_time_s:.1f} s, staleness {metrics.mean_staleness:.2f}"
+        )
         if self._prometheus is not None:
             self._prometheus.on_step(metrics)
         if self._tb is not None:
@@ -107,8 +122,15 @@ class RunRecorder:
 
     def event(self, kind: str, message: str, **extra) -> None:
         self._write("events", {"time_s": round(self.elapsed(), 2), "kind": kind, "message": message, **extra})
+        self._publish(f"{kind}: {message}")
         if self._prometheus is not None:
             self._prometheus.on_event(kind)
+
+    def _publish(self, message: str) -> None:
+        if self._events is not None:
+            from libra.control.types import EventKind
+
+            self._events.publish(EventKind.JOB, message=message)
 
     def close(self) -> None:
         for f in self._files.values():

@@ -78,6 +78,7 @@ def write_report(run_dir: str | Path) -> Path:
         f"- mean step time: {_mean([s['step_time_s'] for s in steps]):.1f} s "
         f"(train {_mean([s['train_time_s'] for s in steps]):.1f} s, "
         f"publish {_mean([s['publish_time_s'] for s in steps]):.2f} s)",
+        _gap_line(steps),
         "",
         f"![reward]({reward_png})",
         f"![throughput]({throughput_png})",
@@ -86,19 +87,38 @@ def write_report(run_dir: str | Path) -> Path:
         "## Steps",
         "",
         "| step | reward | trained | stale-dropped | tokens/s | step s | train s | publish s | loss "
-        "| entropy |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| entropy | logprob gap max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in steps:
         lines.append(
             f"| {s['step']} | {s['mean_reward']:.3f} | {s['num_trajectories']} | {s['num_dropped_stale']} | "
             f"{s['rollout_tokens_per_s']:.0f} | {s['step_time_s']:.1f} | {s['train_time_s']:.1f} | "
-            f"{s['publish_time_s']:.2f} | {s['loss']:.4f} | {s['entropy']:.3f} |"
+            f"{s['publish_time_s']:.2f} | {s['loss']:.4f} | {s['entropy']:.3f} | {_gap(s)} |"
         )
     lines += ["", "## Events", ""] + [f"- {e['time_s']:.1f} s — {e['kind']}: {e['message']}" for e in events]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _gap(step: dict) -> str:
+    if not step.get("num_current_tokens") or "logprob_max_abs_diff" not in step:
+        return "–"
+    return f"{step['logprob_max_abs_diff']:.1e}"
+
+
+def _gap_line(steps: list[dict]) -> str:
+    """The train/inference logprob gap over the steps that measured it."""
+    measured = [s for s in steps if s.get("num_current_tokens") and "logprob_max_abs_diff" in s]
+    if not measured:
+        return "- train/inference logprob gap: not measured (no trajectory sampled by the trainer's version)"
+    return (
+        f"- train/inference logprob gap over {len(measured)} steps "
+        f"({sum(s['num_current_tokens'] for s in measured)} tokens): "
+        f"mean {_mean([s['logprob_abs_diff'] for s in measured]):.1e}, "
+        f"max {max(s['logprob_max_abs_diff'] for s in measured):.1e}"
+    )
 
 
 def _mean(values: list[float]) -> float:

@@ -6,10 +6,11 @@ publication, token counters, bucket occupancy sampling and the rollout-instance 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-import shutil
 import sys
+import time
 from pathlib import Path
 
 from libra.config import LibraConfig
@@ -19,29 +20,39 @@ from libra.job.progress import Progress
 from libra.job.recorder import RunRecorder
 from libra.job.trainer import TrainRanks
 from libra.job.workers import JobCluster, free_port, training_json
-from libra.rollout import AgentLoop, InstancePool
+from libra.rollout import AgentLoop, InstanceClient, InstancePool, InstanceUnavailable
 from libra.scheduler import CmlfqRouter, LeastLoadRouter, RoundRobinRouter
-from libra.v1 import job_pb2, job_pb2_grpc
+from libra.sync import VersionLedger
+from libra.sync.load_request import LoadRequest
 
 logger = logging.getLogger(__name__)
 
 _SAMPLE_INTERVAL_S = 1.0
+_LOAD_ATTEMPTS = 4
+_LOAD_BACKOFF_S = 0.5
+"""A failed load is retried after 0.5, 1 and 2 s; after 4 failures the instance is restarted."""
 
 
 class JobWorkers:
     def __init__(self, config: LibraConfig, job: JobConfig):
         self.config, self.job = config, job
         self.run_dir = Path(config.run_dir)
-        self.weights_dir = self.run_dir / "weights"
         self.cluster = JobCluster(config, job)
         self.instances: dict[int, tuple[str, int]] = {}
         """instance id -> (worker id, TP size) of live instances."""
         self._next_instance_id = 0
         self._background: list[asyncio.Task] = []
         self._closing = False
-        self.current_weights: Path | None = None
-        """The last published version's folder (None: the instances run the initial model)."""
+        self.ledger = VersionLedger(initial_version=0, max_attempts=_LOAD_ATTEMPTS, backoff_s=_LOAD_BACKOFF_S)
+        """Which version each instance runs; owed and failed loads."""
+        self.loads: dict[int, LoadRequest] = {}
+        """What an instance of each TP size loads the latest version from."""
         self.current_version = 0
+        self._loaders: dict[int, InstanceClient] = {}
+        """Instance id -> the client that loads its weights (live and starting instances)."""
+        self._load_locks: dict[int, asyncio.Lock] = {}
+        self._load_seconds: dict[int, float] = {}
+        self._retired: list[InstanceClient] = []
         self.restarts = 0
 
     # -- start-up ------------------------------------------------------------------------------
@@ -51,13 +62,13 @@ class JobWorkers:
 
         from libra.rollout.tools.config import SandboxConfig
         from libra.rollout.tools.sandbox import SandboxPool
-        from libra.tasks.procedural import generate_suite
         from libra.tasks.warm_start import (
             COLLECTION_FILE,
             WarmStartConfig,
             cached_warm_start,
             warm_start_chat,
             warm_start_registry,
+            warm_start_suite,
         )
 
         self.recorder = recorder
@@ -72,14 +83,8 @@ class JobWorkers:
                 f"job.model {str(self.model_dir)!r} has no {COLLECTION_FILE}: the first version of the job "
                 "trains on the procedural tasks of a warm-started policy (leave job.model empty)"
             )
-        suite = generate_suite(
-            recipe.num_train_tasks + recipe.num_val_tasks + recipe.num_test_tasks,
-            recipe.suite_seed,
-            recipe.family,
-            recipe.max_calls,
-            recipe.distribution,
-        )
-        self.tasks = suite.tasks[: recipe.num_train_tasks]
+        # The warm-started policy's own suite (same difficulty and seed), its train split.
+        self.tasks = warm_start_suite(recipe).tasks[: recipe.num_train_tasks]
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.chat = warm_start_chat(tokenizer)
 
@@ -144,6 +149,8 @@ class JobWorkers:
                 str(training.pipeline_parallel),
                 "--training",
                 training_json(training),
+                "--sync",
+                json.dumps(dataclasses.asdict(self.config.sync)),
                 "--backend",
                 self.config.backend.name,
                 "--host",
@@ -157,6 +164,9 @@ class JobWorkers:
 
     async def _start_instances(self) -> None:
         self.pool = InstancePool(self._make_router(), self.token, self.job.scheduler, self.config.control)
+        # The controller's worker events mark a dead instance lost at once (its trajectories go
+        # back to the router); `_watch_instances` restarts it.
+        self.pool.watch_controller(self.cluster.controller.address, self.token)
         await asyncio.gather(*(self._start_instance(tp) for tp in self.job.tp_sizes))
 
     async def _start_instance(self, tp_size: int, placement=None) -> int:
@@ -173,7 +183,7 @@ class JobWorkers:
         argv = [
             sys.executable,
             "-m",
-            "libra.job.instance_worker",
+            "libra.rollout.instance_server",
             "--model",
             str(self.model_dir),
             "--address-file",
@@ -196,47 +206,97 @@ class JobWorkers:
         await asyncio.to_thread(self.cluster.start_worker, worker_id, WorkerRole.ROLLOUT, placement, argv)
         address = await asyncio.to_thread(self.cluster.wait_for_file, worker_id, address_file)
         self.instances[instance_id] = (worker_id, tp_size)
-        if self.current_weights is not None:  # a restarted instance: bring it to the current version
-            await self._load(address, self.current_weights, self.current_version)
-        await self.pool.add(instance_id, address, tp_size)
+        # The engine starts on the initial checkpoint; a restarted instance is brought to the
+        # current version before the router sees it.
+        self.ledger.add_instance(str(instance_id), now=time.monotonic())
+        self._loaders[instance_id] = InstanceClient(address, self.token, self.config.control)
+        self._load_locks[instance_id] = asyncio.Lock()
+        if not await self._bring_up_to_date(instance_id):
+            raise RuntimeError(
+                f"{worker_id} could not load version {self.ledger.latest}: "
+                f"{self.ledger.given_up().get(str(instance_id), 'lost')}"
+            )
+        await self.pool.add(instance_id, address, tp_size, worker_id=worker_id)
         return instance_id
 
     # -- weights -------------------------------------------------------------------------------
 
     async def publish(self, version: int) -> float:
-        """Exports the trainer's weights as an HF folder and switches every live instance to it.
-        Returns the slowest instance's switch time."""
-        exported_version, blob = await asyncio.to_thread(self.trainer.export_weights)
-        if exported_version != version:
-            raise RuntimeError(f"exported version {exported_version}, expected {version}")
-        folder = self.weights_dir / f"v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "model.safetensors").write_bytes(blob)
-        shutil.copy(self.model_dir / "config.json", folder / "config.json")
-        self.current_weights, self.current_version = folder, version
-        live = [self.pool.get(i) for i in self.pool.live_ids()]
-        seconds = await asyncio.gather(*(self._load(p.client.address, folder, version) for p in live))
-        from libra.job.loop import remove_old_weights
+        """Publishes the trainer's weights of `version` (PublishWeights: resharded into shared
+        memory for every rollout TP size) and switches every instance to it, concurrently
+        (LoadWeights). A failed load is retried with back-off while the instance keeps serving
+        its old version; an instance that fails `_LOAD_ATTEMPTS` times is restarted (the watchdog
+        brings it up on the current version). Returns the wall time."""
+        started = time.perf_counter()
+        # Versions that no instance runs any more, except the newest ones kept.
+        keep = set(self.ledger.published[-self.job.keep_weight_versions :])
+        release = [v for v in self.ledger.releasable() if v not in keep]
+        published = await asyncio.to_thread(
+            self.trainer.publish_weights, version, sorted(set(self.job.tp_sizes)), release
+        )
+        self.ledger.forget(release)
+        self.loads = published.loads
+        self.ledger.publish(version)
+        self.current_version = version
+        ids = list(self._loaders)
+        loaded = await asyncio.gather(*(self._bring_up_to_date(i) for i in ids))
+        for instance_id, ok in zip(ids, loaded, strict=True):
+            if not ok and instance_id in self.instances:
+                worker_id = self.instances[instance_id][0]
+                error = self.ledger.given_up().get(str(instance_id), "")
+                self.recorder.event("load_given_up", f"{worker_id} stays behind version {version}: {error}")
+                await asyncio.to_thread(self.cluster.stop_worker, worker_id)  # the watchdog restarts it
+        seconds = time.perf_counter() - started
+        logger.info(
+            "published version %d in %.3f s (gather %.3f s, reshard %.3f s, slowest load %.3f s)",
+            version,
+            seconds,
+            published.gather_seconds,
+            published.publish_seconds,
+            max((self._load_seconds.get(i, 0.0) for i in ids), default=0.0),
+        )
+        return seconds
 
-        remove_old_weights(self.weights_dir, self.job.keep_weight_versions)
-        return max(seconds, default=0.0)
-
-    async def _load(self, address: str, folder: Path, version: int) -> float:
-        from libra.rollout.client import open_aio_channel
-
-        channel = open_aio_channel(address, self.config.control)
-        try:
-            stub = job_pb2_grpc.WeightLoaderStub(channel)
-            reply = await stub.LoadWeights(
-                job_pb2.LoadWeightsRequest(directory=str(folder), version=version),
-                metadata=(("authorization", f"Bearer {self.token}"),),
-                timeout=120,
-            )
-        finally:
-            await channel.close()
-        if reply.version != version:
-            raise RuntimeError(f"instance {address} runs version {reply.version} after loading {version}")
-        return reply.seconds
+    async def _bring_up_to_date(self, instance_id: int) -> bool:
+        """Loads the latest version into the instance, retrying failed loads as the ledger says
+        (the instance serves its old version meanwhile). False when the ledger gave up on it or
+        the instance went away."""
+        name, lock = str(instance_id), self._load_locks.get(instance_id)
+        if lock is None:
+            return False  # lost before its turn
+        async with lock:
+            while True:
+                try:
+                    if self.ledger.version_of(name) >= self.ledger.latest:
+                        return True
+                except LookupError:
+                    return False  # lost meanwhile
+                if name in self.ledger.given_up():
+                    return False
+                task = next((t for t in self.ledger.due(time.monotonic()) if t.instance == name), None)
+                if task is None:
+                    await asyncio.sleep(0.05)  # backing off
+                    continue
+                client, entry = self._loaders.get(instance_id), self.instances.get(instance_id)
+                if client is None or entry is None:
+                    return False  # lost meanwhile
+                try:
+                    result = await client.load_weights(self.loads[entry[1]])
+                    ok, error, version = result.ok, result.error, result.version
+                except (InstanceUnavailable, ValueError) as e:
+                    ok, error, version = False, str(e), -1
+                try:
+                    if ok:
+                        self.ledger.loaded(name, version, time.monotonic())
+                        self._load_seconds[instance_id] = result.seconds
+                        continue
+                    self.ledger.failed(name, task.version, error, time.monotonic())
+                except LookupError:
+                    return False  # lost while loading
+                self.recorder.event(
+                    "load_failed",
+                    f"rollout-{instance_id} attempt {task.attempt} of version {task.version}: {error}",
+                )
 
     # -- observation ---------------------------------------------------------------------------
 
@@ -280,6 +340,11 @@ class JobWorkers:
                 if status is None or not status.state.ended:
                     continue
                 del self.instances[instance_id]
+                self.ledger.remove_instance(str(instance_id))
+                self._load_locks.pop(instance_id, None)
+                # Closed at stop(), not now: a load in flight on it fails on its own (the
+                # instance is gone), whereas closing the channel would cancel it.
+                self._retired.append(self._loaders.pop(instance_id))
                 # The agent loop may have noticed first (a failed call); either way the pool tells
                 # the router once and the displaced trajectories reroute themselves.
                 self.pool.mark_lost(instance_id, f"worker {worker_id} {status.state.name}")
@@ -327,6 +392,8 @@ class JobWorkers:
             await self.sandbox.close()
         if hasattr(self, "pool"):
             await self.pool.close()
+        for client in [*self._loaders.values(), *self._retired]:
+            await client.close()
         if hasattr(self, "trainer"):
             self.trainer.close()
         await asyncio.to_thread(self.cluster.stop)

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 from libra.config import ControlConfig
 from libra.control.auth import open_channel
+from libra.sync.load_request import LoadRequest
+from libra.sync.wire import load_request_from_proto
 from libra.training.worker import trajectory_to_proto
-from libra.trajectory import Trajectory
+from libra.trajectory import TOOL_TOKEN_VERSION, Trajectory
 from libra.v1 import training_pb2, training_pb2_grpc
 
 
@@ -25,6 +27,51 @@ class TrainStepStats:
     num_tokens: int
     num_trajectories: int
     num_dropped_stale: int
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    version: int
+    loads: dict[int, LoadRequest]
+    """What an instance of each rollout TP size loads."""
+    gather_seconds: float
+    publish_seconds: float
+
+
+@dataclass(frozen=True)
+class LogprobGap:
+    """The train/inference gap: per-token |rollout logprob - trainer logprob| under the same weights."""
+
+    mean: float
+    max: float
+    num_tokens: int
+    num_trajectories: int
+
+
+def measure_logprob_gap(
+    trainer: TrainRanks, batch: Sequence[Trajectory], version: int, max_trajectories: int = 8
+) -> LogprobGap:
+    """Compares the rollout logprobs of up to `max_trajectories` trajectories of `batch` whose
+    sampled tokens all came from `version` with the trainer's logprobs of the same tokens. Call it
+    while the trainer runs `version` (before the step's update): then both sides computed with the
+    same weights, and the gap is float rounding (fp32 on the CPU) unless publication delivered
+    other weights. NaN and zero counts when no trajectory of the batch qualifies."""
+    sample = [t for t in batch if _sampled_versions(t) == {version}][:max_trajectories]
+    if not sample:
+        return LogprobGap(float("nan"), float("nan"), 0, 0)
+    diffs = [
+        abs(rollout - trainer_lp)
+        for t, row in zip(sample, trainer.compute_logprobs(sample), strict=True)
+        for mask, rollout, trainer_lp in zip(t.loss_mask, t.rollout_logprobs, row, strict=True)
+        if mask
+    ]
+    if not diffs:
+        return LogprobGap(float("nan"), float("nan"), 0, len(sample))
+    return LogprobGap(sum(diffs) / len(diffs), max(diffs), len(diffs), len(sample))
+
+
+def _sampled_versions(t: Trajectory) -> set[int]:
+    return {v for v in t.policy_versions if v != TOOL_TOKEN_VERSION}
 
 
 class TrainRanks:
@@ -67,11 +114,26 @@ class TrainRanks:
         )
         return [list(row.logprobs) for row in self._call_all("ComputeLogprobs", request)[0].trajectories]
 
-    def export_weights(self) -> tuple[int, bytes]:
-        """The full HF state dict (safetensors bytes) and its version. Every rank takes part in the
-        gather; rank 0's copy is returned."""
-        replies = self._call_all("ExportWeights", training_pb2.ExportWeightsRequest())
-        return replies[0].version, replies[0].safetensors
+    def publish_weights(
+        self, version: int, tp_sizes: Sequence[int], release_versions: Sequence[int] = ()
+    ) -> PublishedVersion:
+        """Publishes the trainer's weights of `version` for rollout instances of each TP size in
+        `tp_sizes` (every rank takes part; the publishing rank answers with the load requests),
+        after freeing the buffers of `release_versions`."""
+        request = training_pb2.PublishWeightsRequest(
+            version=version, tp_sizes=sorted(set(tp_sizes)), release_versions=list(release_versions)
+        )
+        replies = self._call_all("PublishWeights", request)
+        published = [r for r in replies if r.publisher]
+        if len(published) != 1:
+            raise RuntimeError(f"{len(published)} train ranks published version {version}, expected one")
+        reply = published[0]
+        loads = {load.tp_size: load for load in (load_request_from_proto(m) for m in reply.loads)}
+        if sorted(loads) != sorted(set(tp_sizes)):
+            raise RuntimeError(
+                f"version {version} was published for TP {sorted(loads)}, asked for {tp_sizes}"
+            )
+        return PublishedVersion(reply.version, loads, reply.gather_seconds, reply.publish_seconds)
 
     def save_checkpoint(self, directory: str) -> int:
         return self._call_all("SaveCheckpoint", training_pb2.CheckpointRequest(directory=directory))[

@@ -4,7 +4,11 @@ parallelism on each side.
 Owns the cost models (rollout: KV capacity, bandwidth-bound decode, prefill, per-bucket makespan;
 training: per-layer compute, TP/PP/DP communication, 1F1B, memory), their least-squares
 calibration, the exact two-level search, re-plan triggers and the apply rule, plan diffs as typed
-actions for node agents, and the PlannerService gRPC servicer. Pure: no devices, no processes.
+actions for node agents, and the PlannerService gRPC servicer — all pure: no devices, no processes.
+The one exception is `actions.ActionExecutor`, which carries a diff out on node agents through the
+controller's cluster API, with the rollout and training sides behind the protocols of `controls`
+(import it from `libra.planner.actions`; it is not re-exported here, so that importing the planner
+does not import the control plane).
 """
 
 from libra.planner.config import (

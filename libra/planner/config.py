@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libra.backends.base import HardwareProfile
+from libra.planner.execution_config import ExecutorConfig
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -307,6 +308,8 @@ class PlannerConfig:
     max_decode_batch: int = 256
     activation_workspace_bytes: int = 2 * 2**30
     """Rollout: memory kept free per device for activations and the sampler."""
+    execution: ExecutorConfig = field(default_factory=ExecutorConfig)
+    """Timeouts of carrying a plan out on the node agents (`libra.planner.actions`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_fragmentation < 1:

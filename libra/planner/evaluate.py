@@ -78,7 +78,8 @@ def evaluate_plan(
         problem.cluster, problem.model, problem.batch, problem.config, train_factors
     )
     train_s = train_cost.step_s(plan.training.config, SequenceStats.of(problem.history))
-    space = build_rollout_space(problem, rollout_factors)
+    # Priced as the search prices it: batches bounded by the plan's own rollout size.
+    space = build_rollout_space(problem, rollout_factors, plan.num_devices - plan.training.config.num_devices)
     buckets, first = [], 0
     for i, b in enumerate(plan.buckets):
         last = i == len(plan.buckets) - 1

@@ -8,9 +8,22 @@ Per instance of TP size k (all figures per device unless said otherwise):
   matmul FLOPs, plus two all-reduces per layer over the TP group.
 - Prefill of p tokens: 2 * params * p + 2 * layers * p^2 * query_dim FLOPs (causal attention).
 
-A trajectory occupies an instance for `work_s` = prefill + output_tokens / throughput (it shares
-decode steps with the steady batch), and cannot finish before `latency_s` = prefill +
-output_tokens x the decode step of a nearly empty instance + its tool time (the long tail).
+A trajectory occupies an instance for `work_s` = prefill + output_tokens x its share of a decode
+step, and cannot finish before `latency_s` = prefill + output_tokens x the decode step of a nearly
+empty instance + its tool time (the long tail).
+
+Its share of a step is priced at its *own* context, not the history's mean: C-MLFQ's buckets hold
+trajectories of similar length, so an instance of short ones runs a large batch and one of long
+ones a small batch. The step (a + b B + c K for B sequences holding K KV tokens) is split by what
+each sequence holds: c x its context for its KV read, b for its per-sequence work, and the fixed
+a (mostly the weight read) over the batch B it shares. B is the least of max_decode_batch, what
+the KV capacity holds at that context, and -- when the rollout side's size is given -- what the
+trajectories in flight can fill: an asynchronous loop keeps at most global_batch x
+(max_staleness + 1) trajectories in flight, and only those decoding (not waiting on a tool) are
+in a batch (`decoding_per_device`). That last bound is what decides between TP sizes on an
+agentic workload: with few trajectories decoding per device, batches are small, the weight read
+dominates, and the fewer weight copies of a large TP size win; with many, small TP sizes win
+because a large instance is capped at max_decode_batch.
 """
 
 from __future__ import annotations
@@ -100,9 +113,13 @@ class RolloutCostModel:
         tail = self.decode_step(tp, 1.0, mean_context).seconds(self.factors)
         return InstanceProfile(tp, capacity, batch, step, batch / step, tail)
 
-    def request_costs(self, tp: int, history: tuple[RequestRecord, ...]) -> tuple[np.ndarray, np.ndarray]:
+    def request_costs(
+        self, tp: int, history: tuple[RequestRecord, ...], decoding_per_device: float | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(work_s, latency_s) of each request on a TP-tp instance; latency is inf where the
-        request does not fit the instance's KV capacity."""
+        request does not fit the instance's KV capacity. `decoding_per_device`: sequences decoding
+        at once per rollout device (None: instances are as full as memory and max_decode_batch
+        allow)."""
         inst = self.instance_profile(tp, history)
         prompts = np.array([r.prompt_tokens for r in history], dtype=float)
         outputs = np.array([r.output_tokens for r in history], dtype=float)
@@ -115,7 +132,56 @@ class RolloutCostModel:
         )  # == self.prefill(), vectorised
         if inst.token_capacity <= 0:
             return np.full(len(history), np.inf), np.full(len(history), np.inf)
-        work = prefill + outputs / inst.throughput_tokens_per_s
+        work = prefill + outputs * self.token_share_s(tp, prompts + outputs / 2.0, decoding_per_device)
         latency = prefill + outputs * inst.tail_step_s + tools
         latency = np.where(totals <= inst.token_capacity, latency, np.inf)
         return work, latency
+
+    def decode_coefficients(self, tp: int) -> tuple[float, float, float]:
+        """(a, b, c) of step_s = a + b B + c K (B sequences, K KV tokens): `decode_step` is affine
+        in the batch and in the batch's KV tokens, so three evaluations recover it exactly."""
+        f = self.factors
+        base = self.decode_step(tp, 0.0, 0.0).seconds(f)
+        per_sequence = self.decode_step(tp, 1.0, 0.0).seconds(f) - base
+        per_kv_token = (self.decode_step(tp, 1.0, 1000.0).seconds(f) - base - per_sequence) / 1000.0
+        return base, per_sequence, per_kv_token
+
+    def token_share_s(
+        self, tp: int, context: np.ndarray, decoding_per_device: float | None = None
+    ) -> np.ndarray:
+        """Instance seconds one output token of a sequence holding `context` KV tokens costs in a
+        TP-tp instance of sequences like it (see the module docstring)."""
+        base, per_sequence, per_kv_token = self.decode_coefficients(tp)
+        context = np.maximum(np.asarray(context, dtype=float), 1.0)
+        batch = np.minimum(self.token_capacity(tp) / context, float(self.config.max_decode_batch))
+        if decoding_per_device is not None:
+            batch = np.minimum(batch, tp * decoding_per_device)
+        return base / np.maximum(batch, 1.0) + per_sequence + per_kv_token * context
+
+    def decoding_per_device(
+        self, tp: int, history: tuple[RequestRecord, ...], in_flight: int, rollout_devices: int
+    ) -> float:
+        """Sequences decoding at once per device when `in_flight` trajectories share
+        `rollout_devices` devices of TP-tp instances. A trajectory spends output_tokens x the
+        step time decoding and the rest of its life prefilling or in its tools; the decoding
+        share of the in-flight ones fills the batches. The step grows with the batch, so this is
+        a fixed point, reached by iterating down from every in-flight trajectory decoding."""
+        if rollout_devices < 1 or in_flight < 1 or self.token_capacity(tp) <= 0:
+            return 0.0
+        outputs = sum(r.output_tokens for r in history)
+        prompts = np.array([r.prompt_tokens for r in history], dtype=float)
+        m = self.model
+        prefill_flops = 2.0 * m.num_params * prompts + 2.0 * m.num_layers * prompts**2 * m.query_dim
+        prefill_s = prefill_flops.sum() / (tp * self.cluster.profile.peak_bf16_flops) / self.factors.compute
+        waiting = sum(r.tool_time_s for r in history) + float(prefill_s)  # == sum of self.prefill()
+        context = float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in history]))
+        capacity_batch = min(self.token_capacity(tp) / max(context, 1.0), float(self.config.max_decode_batch))
+        per_device = in_flight / rollout_devices
+        for _ in range(100):
+            batch = max(1.0, min(capacity_batch, tp * per_device))
+            decoding = outputs * self.decode_step(tp, batch, context).seconds(self.factors)
+            updated = in_flight * decoding / (decoding + waiting) / rollout_devices
+            if abs(updated - per_device) <= 1e-6 * per_device:
+                return updated
+            per_device = updated
+        return per_device

@@ -28,11 +28,22 @@ inside the bracketing interval where A is constant, over T itself down to a rela
 `relative_tolerance`. The returned objective is that of a concrete feasible plan, and no plan
 of the space is better by more than the tolerance. Devices the rollout optimum leaves over are
 then given to rollout instances (`_spend_leftover`).
+
+Two tie-breaks follow the optimum T*: when the slowest trajectory's latency bounds rollout,
+many splits reach T*, and the one kept minimises max(T_train, rollout *work*) with every
+bucket's latency still <= T* (an asynchronous loop's step rate is set by work, not by one
+trajectory); the rollout side then gets the pool with the least work makespan on the devices
+training leaves it. And since how full decode batches get depends on how many devices share
+the trajectories in flight (`RolloutCostModel.decoding_per_device`), which is what the search
+decides, `search` iterates: memory-bound batches first, then the in-flight bound of the
+previous plan's rollout size, until that size repeats; the plan returned is exact for the
+space of its own rollout size.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -136,8 +147,13 @@ class RolloutSpace:
         finite_work = [self.work[k][np.isfinite(self.latency[k])].sum() for k in self.tp_sizes]
         self.upper_bound = (max(finite_work) if finite_work else 0.0) + self.max_latency
 
-    def min_devices(self, target_s: float) -> tuple[float, list[np.ndarray]]:
-        """D(T): the fewest devices whose rollout makespan is <= target_s, and the DP's choices."""
+    def min_devices(
+        self, target_s: float, latency_cap_s: float | None = None
+    ) -> tuple[float, list[np.ndarray]]:
+        """D(T): the fewest devices whose rollout makespan is <= target_s, and the DP's choices.
+        With `latency_cap_s`, the slowest request of a bucket may take up to that (>= target_s)
+        instead: only the work must fit in target_s."""
+        latency_limit = target_s if latency_cap_s is None else max(latency_cap_s, target_s)
         q = len(self.boundaries)
         best = np.full(q, np.inf)
         best[0] = 0.0
@@ -147,7 +163,7 @@ class RolloutSpace:
             with np.errstate(divide="ignore", invalid="ignore"):
                 count = np.maximum(np.ceil(work / target_s), 1.0)
                 count += work / count > target_s  # ceil's floating error must never exceed the target
-            cost = np.where(self._range_latency[k] <= target_s, k * count, np.inf)
+            cost = np.where(self._range_latency[k] <= latency_limit, k * count, np.inf)
             cost[self._empty] = 0.0
             total = best[:, None] + cost
             choice = total.argmin(axis=0)
@@ -155,9 +171,9 @@ class RolloutSpace:
             choices.append(choice)
         return float(best[-1]), choices
 
-    def buckets_at(self, target_s: float) -> list[BucketChoice]:
+    def buckets_at(self, target_s: float, latency_cap_s: float | None = None) -> list[BucketChoice]:
         """The bucket ranges and instance counts of D(target_s)'s solution."""
-        _, choices = self.min_devices(target_s)
+        _, choices = self.min_devices(target_s, latency_cap_s)
         result, end = [], len(self.boundaries) - 1
         for k, choice in zip(reversed(self.tp_sizes), reversed(choices), strict=True):
             start = int(choice[end])
@@ -178,15 +194,24 @@ class RolloutSpace:
             float(self.work[tp][first:end].sum()) / num_instances, float(self.latency[tp][first:end].max())
         )
 
-    def min_makespan(self, num_devices: int, tolerance: float, low: float = 0.0) -> float:
-        """The least T with D(T) <= num_devices (inf if none), by bisection above `low`."""
-        high = self.upper_bound
-        if not math.isfinite(high) or self.min_devices(high)[0] > num_devices:
-            return math.inf
+    def min_makespan(
+        self,
+        num_devices: int,
+        tolerance: float,
+        low: float = 0.0,
+        latency_cap_s: float | None = None,
+        high: float | None = None,
+    ) -> float:
+        """The least T with D(T) <= num_devices (inf if none), by bisection above `low`; `high`,
+        when given, is known to satisfy it."""
+        if high is None:
+            high = self.upper_bound
+            if not math.isfinite(high) or self.min_devices(high, latency_cap_s)[0] > num_devices:
+                return math.inf
         low = max(low, 0.0)
         while high - low > tolerance * high:
             mid = 0.5 * (low + high)
-            if self.min_devices(mid)[0] <= num_devices:
+            if self.min_devices(mid, latency_cap_s)[0] <= num_devices:
                 high = mid
             else:
                 low = mid
@@ -204,7 +229,12 @@ def candidate_boundaries(sorted_outputs: np.ndarray, max_boundaries: int) -> np.
     return np.array([0, *cuts, r], dtype=int)
 
 
-def build_rollout_space(problem: PlanningProblem, factors: EfficiencyFactors) -> RolloutSpace:
+def build_rollout_space(
+    problem: PlanningProblem, factors: EfficiencyFactors, rollout_devices: int | None = None
+) -> RolloutSpace:
+    """The rollout space; with `rollout_devices`, batches are bounded by the trajectories in
+    flight spread over that many devices (`RolloutCostModel.decoding_per_device`), else only by
+    memory and max_decode_batch."""
     cost = RolloutCostModel(problem.cluster, problem.model, problem.config, factors)
     sizes = [k for k in problem.config.search.rollout_tp_sizes if problem.cluster.devices_per_node % k == 0]
     # Per step: a training step consumes global_batch trajectories, so the history's work is
@@ -212,8 +242,14 @@ def build_rollout_space(problem: PlanningProblem, factors: EfficiencyFactors) ->
     work_scale = problem.batch.global_batch / len(problem.history)
     latency_window = problem.batch.max_staleness + 1
     work, latency = {}, {}
+    in_flight = problem.batch.global_batch * latency_window
     for k in sizes:
-        request_work, request_latency = cost.request_costs(k, problem.history)
+        decoding = (
+            None
+            if rollout_devices is None
+            else cost.decoding_per_device(k, problem.history, in_flight, rollout_devices)
+        )
+        request_work, request_latency = cost.request_costs(k, problem.history, decoding)
         work[k], latency[k] = request_work * work_scale, request_latency / latency_window
     outputs = np.array([r.output_tokens for r in problem.history], dtype=float)
     return RolloutSpace(sizes, outputs, work, latency, problem.config.search.threshold_candidates)
@@ -227,11 +263,17 @@ def search(
     problem: PlanningProblem,
     train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS,
     rollout_factors: EfficiencyFactors = DEFAULT_ROLLOUT_FACTORS,
+    rollout_devices: int | None = None,
 ) -> Plan:
-    """The optimal plan for `problem` (see the module docstring for the space and the method)."""
+    """The optimal plan for `problem` (see the module docstring for the space and the method).
+
+    How full rollout batches get depends on how many devices share the trajectories in flight,
+    which is what the search decides; so the search runs to a fixed point: first with batches
+    bounded by memory only, then again with the in-flight bound of the previous plan's rollout
+    devices, until the rollout side stops changing (at most `MAX_CONCURRENCY_ROUNDS`; a plan is
+    exact for the space of the rollout size it was searched with). `rollout_devices` fixes that
+    size instead (one exact search, as the brute-force test checks)."""
     started = time.perf_counter()
-    n_total = problem.cluster.num_devices
-    tolerance = problem.config.search.relative_tolerance
     train_cost = TrainingCostModel(
         problem.cluster, problem.model, problem.batch, problem.config, train_factors
     )
@@ -240,20 +282,95 @@ def search(
         raise NoFeasiblePlan(
             "no training configuration fits (memory, batch divisibility, granularity or minimum sizes)"
         )
-    space = build_rollout_space(problem, rollout_factors)
+    if rollout_devices is not None:
+        plan = _search_space(problem, candidates, rollout_factors, rollout_devices)
+        return dataclasses.replace(plan, search_time_s=time.perf_counter() - started)
+    # Rounds until the rollout size repeats are coarse (they only choose the size); the plan
+    # returned is an exact search at the size it then has, i.e. exact for its own space.
+    plan = _search_space(problem, candidates, rollout_factors, None, tolerance=TIE_BREAK_TOLERANCE)
+    devices = plan.num_devices - plan.training.config.num_devices
+    tried: set[int] = set()
+    for _ in range(MAX_CONCURRENCY_ROUNDS):
+        tried.add(devices)
+        plan = _search_space(problem, candidates, rollout_factors, devices, tolerance=TIE_BREAK_TOLERANCE)
+        devices = plan.num_devices - plan.training.config.num_devices
+        if devices in tried:
+            break
+    exact: dict[int, Plan] = {}
+    while devices not in exact and len(exact) < MAX_CONCURRENCY_ROUNDS:
+        exact[devices] = _search_space(problem, candidates, rollout_factors, devices)
+        devices = exact[devices].num_devices - exact[devices].training.config.num_devices
+    consistent = [p for d, p in exact.items() if p.num_devices - p.training.config.num_devices == d]
+    plan = min(
+        consistent or exact.values(), key=lambda p: (p.predicted_step_s, p.training.config.num_devices)
+    )
+    return dataclasses.replace(plan, search_time_s=time.perf_counter() - started)
+
+
+MAX_CONCURRENCY_ROUNDS = 4
+TIE_BREAK_TOLERANCE = 1e-3
+
+
+def _search_space(
+    problem: PlanningProblem,
+    candidates: list[TrainingCandidate],
+    rollout_factors: EfficiencyFactors,
+    rollout_devices: int | None,
+    tolerance: float | None = None,
+) -> Plan:
+    """The exact optimum over the space whose rollout batches assume `rollout_devices` (to the
+    config's relative tolerance unless `tolerance` is given)."""
+    started = time.perf_counter()
+    n_total = problem.cluster.num_devices
+    tolerance = problem.config.search.relative_tolerance if tolerance is None else tolerance
+    space = build_rollout_space(problem, rollout_factors, rollout_devices)
     if not space.tp_sizes:
         raise NoFeasiblePlan("the model does not fit any rollout TP size's memory")
 
+    best = _optimum(space, candidates, n_total, tolerance)
+    if not math.isfinite(best):
+        raise NoFeasiblePlan("no split lets rollout serve every request (KV capacity or minimum devices)")
+    # Among the plans reaching `best` (many, when the slowest trajectory's latency is what bounds
+    # rollout), the one whose work -- training's and rollout's -- fits the least time: in an
+    # asynchronous loop that work, not the one slowest trajectory, sets how fast steps come.
+    work_bound = _optimum(space, candidates, n_total, TIE_BREAK_TOLERANCE, latency_cap_s=best)
+    needed, _ = space.min_devices(work_bound, best)
+    training = min(
+        (c for c in candidates if c.step_s <= work_bound and c.config.num_devices <= n_total - needed),
+        key=lambda c: (c.step_s, c.config.num_devices, c.config),
+    )
+    # The rollout side then gets the most throughput the devices left to it allow (when training
+    # bounds the step, many rollout pools tie at `best`; the fastest leaves the most slack).
+    # A tie-break, not the objective: a coarse bisection between a lower bound (every request on
+    # its cheapest allowed TP size, the work spread perfectly) and work_bound (known to fit) will do.
+    rest = n_total - training.config.num_devices
+    device_seconds = np.min(
+        np.stack([np.where(space.latency[k] <= best, k * space.work[k], np.inf) for k in space.tp_sizes]),
+        axis=0,
+    )
+    rollout_s = space.min_makespan(
+        rest, TIE_BREAK_TOLERANCE, low=float(device_seconds.sum()) / rest, latency_cap_s=best, high=work_bound
+    )
+    buckets = space.buckets_at(rollout_s, best)
+    buckets = _spend_leftover(space, buckets, n_total - training.config.num_devices)
+    return _assemble(problem, space, training, buckets, time.perf_counter() - started)
+
+
+def _optimum(
+    space: RolloutSpace,
+    candidates: list[TrainingCandidate],
+    n_total: int,
+    tolerance: float,
+    latency_cap_s: float | None = None,
+) -> float:
+    """The least T with A(T) + D(T) <= n_total (see the module docstring); with `latency_cap_s`,
+    D lets each bucket's slowest request take up to that cap (`RolloutSpace.min_devices`)."""
     steps = [c.step_s for c in candidates]
     fewest = list(np.minimum.accumulate([c.config.num_devices for c in candidates]))
 
-    def train_devices_within(target_s: float) -> float:
-        i = bisect.bisect_right(steps, target_s) - 1
-        return fewest[i] if i >= 0 else math.inf
-
     def feasible(target_s: float) -> bool:
-        a = train_devices_within(target_s)
-        return a < math.inf and space.min_devices(target_s)[0] <= n_total - a
+        i = bisect.bisect_right(steps, target_s) - 1
+        return i >= 0 and space.min_devices(target_s, latency_cap_s)[0] <= n_total - fewest[i]
 
     # Bisection over the T_train values: the first feasible one brackets the optimum.
     lo_i, hi_i = -1, len(steps)
@@ -265,19 +382,9 @@ def search(
             lo_i = mid
     best = steps[hi_i] if hi_i < len(steps) else math.inf
     if lo_i >= 0:  # between steps[lo_i] and best the training side is fixed: a rollout-only problem
-        rollout_only = space.min_makespan(n_total - fewest[lo_i], tolerance, low=steps[lo_i])
+        rollout_only = space.min_makespan(n_total - fewest[lo_i], tolerance, steps[lo_i], latency_cap_s)
         best = min(best, max(rollout_only, steps[lo_i]))
-    if not math.isfinite(best):
-        raise NoFeasiblePlan("no split lets rollout serve every request (KV capacity or minimum devices)")
-
-    rollout_devices, _ = space.min_devices(best)
-    training = min(
-        (c for c in candidates if c.step_s <= best and c.config.num_devices <= n_total - rollout_devices),
-        key=lambda c: (c.step_s, c.config.num_devices, c.config),
-    )
-    buckets = space.buckets_at(best)
-    buckets = _spend_leftover(space, buckets, n_total - training.config.num_devices)
-    return _assemble(problem, space, training, buckets, time.perf_counter() - started)
+    return best
 
 
 def _spend_leftover(space: RolloutSpace, buckets: list[BucketChoice], budget: int) -> list[BucketChoice]:

@@ -118,7 +118,7 @@ class AgentLoop:
         while True:
             if instance_id is None or self.pool.get(instance_id).lost:
                 instance_id = await self._reroute(trajectory.trajectory_id)
-            segment = await self._generate(trajectory, instance_id)
+            segment, max_tokens = await self._generate(trajectory, instance_id)
             if segment is None:  # the instance failed; the tokens it produced are kept
                 failures += 1
                 if failures >= _MAX_CONSECUTIVE_FAILURES:
@@ -132,7 +132,7 @@ class AgentLoop:
             if segment.finish_reason == FinishReason.ABORT:
                 raise _Ended(Outcome.ABORTED, f"instance {instance_id} aborted the request")
             if segment.finish_reason == FinishReason.LENGTH:
-                self._end_for_length(trajectory, instance_id, turn_start)
+                self._end_for_length(trajectory, instance_id, max_tokens, len(segment.token_ids))
             trajectory.num_turns += 1
             turn = trajectory.response_token_ids[turn_start:]
             if turn[-1] != self.chat.tool_call_end_id:
@@ -146,9 +146,9 @@ class AgentLoop:
             instance_id = decision.instance_id
             turn_start = len(trajectory.response_token_ids)
 
-    async def _generate(self, trajectory: Trajectory, instance_id: int) -> Segment | None:
-        """One generation call continuing `trajectory`; appends what it produced. None when the
-        instance failed."""
+    async def _generate(self, trajectory: Trajectory, instance_id: int) -> tuple[Segment | None, int]:
+        """One generation call continuing `trajectory`; appends what it produced. Returns the
+        segment (None when the instance failed) and the max_tokens the call asked for."""
         pooled = self.pool.get(instance_id)
         context = trajectory.token_ids
         budget = self.config.max_response_tokens - len(trajectory.response_token_ids)
@@ -178,10 +178,10 @@ class AgentLoop:
             logger.warning("trajectory %s: instance %d failed: %s", trajectory.trajectory_id, instance_id, e)
             self._keep(trajectory, e.partial)
             self._record(trajectory, instance_id, context, e.partial, None)
-            return None
+            return None, sampling.max_tokens
         self._keep(trajectory, segment)
         self._record(trajectory, instance_id, context, segment, segment.finish_reason)
-        return segment
+        return segment, sampling.max_tokens
 
     @staticmethod
     def _keep(trajectory: Trajectory, segment: Segment) -> None:
@@ -195,10 +195,22 @@ class AgentLoop:
             )
             self._on_call(record)
 
-    def _end_for_length(self, trajectory: Trajectory, instance_id: int, turn_start: int) -> None:
+    def _end_for_length(self, trajectory: Trajectory, instance_id: int, asked: int, produced: int) -> None:
+        """A call stopped for length: the context window filled (the one the instance reported,
+        or the engine's own, which stops a call short of the `asked` tokens), the response
+        budget ran out, or the turn hit its cap. Always ends the trajectory."""
         max_model_len = self.pool.get(instance_id).max_model_len
-        if len(trajectory.token_ids) >= max_model_len:
-            raise _Ended(Outcome.CONTEXT_OVERFLOW, f"the context filled max_model_len={max_model_len}")
+        context = len(trajectory.token_ids)
+        if context >= max_model_len:
+            raise _Ended(
+                Outcome.CONTEXT_OVERFLOW, f"the context filled max_model_len={max_model_len} mid-turn"
+            )
+        if produced < asked:
+            raise _Ended(
+                Outcome.CONTEXT_OVERFLOW,
+                f"instance {instance_id} stopped for length after {produced} of {asked} tokens, at a "
+                f"context of {context} tokens: its engine's window is smaller than it reports",
+            )
         if len(trajectory.response_token_ids) >= self.config.max_response_tokens:
             raise _Ended(
                 Outcome.MAX_TOKENS, f"response reached max_response_tokens={self.config.max_response_tokens}"

@@ -76,8 +76,23 @@ class ChatFormat:
     def tool_result_ids(self, content: str) -> list[int]:
         """Tokens appended after a `</tool_call>`. Special-token text inside `content` is split
         into plain tokens, so a tool's output cannot forge chat markup."""
-        body = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return self._result_prefix + body + self._result_suffix
+        return self._result_prefix + self._plain_ids(content) + self._result_suffix
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """`text` tokenized as plain text (special-token strings split into ordinary tokens).
+        Runs once per tool call, so it goes straight to a fast tokenizer's Rust backend, which
+        is what the HF call does too, minus ~90 µs of wrapper per call; the result is the same
+        (tests/rollout/test_chat.py). Falls back to the HF call where the backend is absent or
+        configured to truncate or pad."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.truncation is not None or backend.padding is not None:
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        previous = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            return backend.encode(text, add_special_tokens=False).ids
+        finally:
+            backend.encode_special_tokens = previous
 
     def parse_tool_call(self, turn_ids: Sequence[int]) -> ToolCall:
         """The call in a turn ending with `</tool_call>`: the JSON between the last `<tool_call>`

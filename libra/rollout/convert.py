@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from libra.control.convert import InvalidArgument
 from libra.rollout.types import Chunk, FinishReason, InstanceStats, PauseMode, SamplingSpec
+from libra.sync import wire
+from libra.sync.instance_update import LoadResult
+from libra.sync.load_request import LoadRequest
 from libra.v1 import rollout_pb2
 
 
@@ -71,3 +74,40 @@ def stats_to_proto(stats: InstanceStats) -> rollout_pb2.InstanceStats:
 
 def stats_from_proto(msg: rollout_pb2.InstanceStats) -> InstanceStats:
     return InstanceStats(**{name: getattr(msg, name) for name in InstanceStats.__dataclass_fields__})
+
+
+def load_request_to_proto(request: LoadRequest) -> rollout_pb2.LoadWeightsRequest:
+    return rollout_pb2.LoadWeightsRequest(load=wire.load_request_to_proto(request))
+
+
+def load_request_from_proto(msg: rollout_pb2.LoadWeightsRequest) -> LoadRequest:
+    if not msg.HasField("load"):
+        raise InvalidArgument("load must be set")
+    try:
+        return wire.load_request_from_proto(msg.load)
+    except ValueError as e:
+        raise InvalidArgument(f"load: {e}") from None
+
+
+def load_result_to_proto(result: LoadResult) -> rollout_pb2.LoadWeightsReply:
+    return rollout_pb2.LoadWeightsReply(
+        ok=result.ok,
+        error=result.error,
+        weight_version=result.version,
+        stage_seconds=result.stage_seconds,
+        commit_seconds=result.commit_seconds,
+        seconds=result.seconds,
+        num_preempted=result.num_preempted,
+    )
+
+
+def load_result_from_proto(msg: rollout_pb2.LoadWeightsReply) -> LoadResult:
+    return LoadResult(
+        ok=msg.ok,
+        version=msg.weight_version,
+        error=msg.error,
+        stage_seconds=msg.stage_seconds,
+        commit_seconds=msg.commit_seconds,
+        seconds=msg.seconds,
+        num_preempted=msg.num_preempted,
+    )

@@ -6,6 +6,10 @@ Requests arrive as token ids (`TokensPrompt`); nothing is detokenized. Each gene
 a chunk is flushed whenever the version changes under it (Pause → weights change → Resume with a
 new version), so a trajectory resumed across an update knows which policy sampled each token.
 
+Weights change through `load_version`: the engine runs with libra.sync's worker extension, which
+stages a published version on every TP rank, verifies it, and commits it only when all staged
+(`libra.sync.instance_update`).
+
 vLLM must be configured before it is imported (PLATFORM.md): `configure_vllm_env` sets the
 variables and must run first in the process.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import os
 import time
@@ -22,6 +27,9 @@ from typing import TYPE_CHECKING
 
 from libra.rollout.config import InstanceConfig
 from libra.rollout.types import Chunk, FinishReason, InstanceStats, PauseMode, SamplingSpec
+from libra.sync.instance_update import LoadResult, apply_version_async
+from libra.sync.load_request import LoadRequest
+from libra.sync.vllm_loader import WORKER_EXTENSION
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -86,6 +94,7 @@ class InstanceEngine:
         self._num_generated = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._started_at = time.monotonic()
+        self._load_lock = asyncio.Lock()
 
     def start(self) -> InstanceEngine:
         configure_vllm_env(self.config)
@@ -101,6 +110,10 @@ class InstanceEngine:
             enforce_eager=self.config.enforce_eager,
             seed=self.config.seed,
             disable_log_stats=False,
+            worker_extension_cls=WORKER_EXTENSION,
+            # The logprobs of the distribution each token was sampled from (after temperature),
+            # not of the raw logits: RL's importance ratios need the behaviour policy.
+            logprobs_mode="processed_logprobs",
         )
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[lambda *a, **k: self._kv_logger])
         self._started_at = time.monotonic()
@@ -213,6 +226,44 @@ class InstanceEngine:
         await self._engine.resume_generation()
         self.paused = False
         return self.weight_version
+
+    async def load_version(self, request: LoadRequest) -> LoadResult:
+        """Switches to a published version: pause → stage and commit on every rank → resume
+        tagged with the new version; on any failure resume with the old one (the loader never
+        leaves a rank half-loaded, see `libra.sync.vllm_loader`). One load at a time, so that
+        versions are applied in order."""
+        assert self._engine is not None, "start() first"
+        if request.tp_size != self.config.tensor_parallel_size:
+            raise EngineInputError(
+                f"load request has {request.tp_size} ranks, "
+                f"this instance runs TP={self.config.tensor_parallel_size}"
+            )
+        async with self._load_lock:
+            if request.version <= self.weight_version:
+                raise EngineInputError(
+                    f"version {request.version} is not newer than the loaded {self.weight_version}"
+                )
+            started = time.perf_counter()
+            # ABORT, not KEEP: a kept request would continue on KV computed by the old weights, so
+            # its next tokens would come from neither version. Aborted requests end PREEMPTED; the
+            # agent loop resubmits them with the tokens they kept, and their re-prefill runs on
+            # the new weights.
+            num_preempted = await self.pause(PauseMode.ABORT)
+            try:
+                result = await apply_version_async(self._engine, request)
+            except Exception as error:  # noqa: BLE001 - an RPC failure: the workers kept their version
+                result = LoadResult(False, self.weight_version, f"{type(error).__name__}: {error}")
+            # On failure the workers report the version they still run: the old one.
+            await self.resume(result.version if result.ok else self.weight_version)
+            return dataclasses.replace(
+                result, seconds=time.perf_counter() - started, num_preempted=num_preempted
+            )
+
+    async def read_weights(self, names: list[str] | None = None) -> list[bytes]:
+        """Per TP rank, its params as the engine computes with them (safetensors bytes; see
+        `libra.sync.vllm_loader.read_param`). Verification only: it moves the whole model."""
+        assert self._engine is not None, "start() first"
+        return await self._engine.collective_rpc("libra_read_params", args=(names or None,))
 
     def stats(self) -> InstanceStats:
         now = time.monotonic()

@@ -1,4 +1,5 @@
-"""The RolloutInstance gRPC service (asyncio) over an `InstanceEngine`, and the instance process.
+"""The RolloutInstance gRPC service (asyncio) over an `InstanceEngine`, and the instance process:
+token-in/token-out generation, pause/resume, stats, and loading published weight versions.
 
 Run as a worker: `python -m libra.rollout.instance_server --model DIR --port 0 --address-file F`
 (token from `--token-file` or LIBRA_TOKEN). Once serving, it writes `host:port` to the address
@@ -19,10 +20,10 @@ from pathlib import Path
 import grpc
 
 from libra.config import ControlConfig
+from libra.control.aio_server import start_aio_server
 from libra.control.auth import TOKEN_ENV, read_token_file
 from libra.control.convert import InvalidArgument
 from libra.rollout import convert
-from libra.control.aio_server import start_aio_server
 from libra.rollout.config import InstanceConfig
 from libra.rollout.engine import EngineInputError, InstanceEngine
 from libra.v1 import rollout_pb2, rollout_pb2_grpc
@@ -73,6 +74,22 @@ class RolloutInstanceServicer(rollout_pb2_grpc.RolloutInstanceServicer):
 
     async def Stats(self, request, context):
         return convert.stats_to_proto(self._engine.stats())
+
+    async def LoadWeights(self, request, context):
+        try:
+            load = convert.load_request_from_proto(request)
+            result = await self._engine.load_version(load)
+        except (InvalidArgument, EngineInputError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not result.ok:
+            logger.warning(
+                "load of version %d failed, still on %d: %s", load.version, result.version, result.error
+            )
+        return convert.load_result_to_proto(result)
+
+    async def ReadWeights(self, request, context):
+        ranks = await self._engine.read_weights(list(request.names))
+        return rollout_pb2.ReadWeightsReply(ranks=ranks, weight_version=self._engine.weight_version)
 
 
 async def serve(

@@ -1,7 +1,8 @@
 """Routing of live trajectories across TP buckets of rollout instances.
 
 Owns C-MLFQ (a facade over the C++ core in `libra._native`): tool-return states, the causal
-prefix trees learned from completed trajectories, bucket routing and the instance load table.
+prefix trees learned from completed trajectories, bucket routing, the instance load table
+(loads weighted by instance capacity) and run-time bucket updates when a plan changes them.
 Also owns the baseline policies behind the same `Router` interface, and a synthetic agentic
 workload to compare them. Depends only on `libra.trajectory` for the shared `ToolStatus`.
 """

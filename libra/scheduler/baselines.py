@@ -7,6 +7,10 @@
 - `OracleRouter`: knows each trajectory's true output length, so routes by the true remaining
   tokens; the bound C-MLFQ's predictions are measured against.
 
+On `update_buckets` the baselines re-label instances and thresholds and move nobody: a
+trajectory's bucket becomes its instance's new one, and the new thresholds apply from its next
+tool return.
+
 The bucketed baselines place trajectories with C-MLFQ's placement rules (least loaded, capped by
 `max_queue_length`, nearest other bucket, then any ready instance), so that comparisons measure
 the choice of bucket alone.
@@ -14,10 +18,12 @@ the choice of bucket alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
-from libra.scheduler.config import CmlfqConfig
+from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.scheduler.interface import Decision, Reason
 from libra.scheduler.tool_state import ToolReturnState
 
@@ -27,6 +33,7 @@ class _Instance:
     bucket: int
     ready: bool
     active: int = 0
+    weight: int = 1
 
 
 @dataclass
@@ -89,10 +96,12 @@ class _BaselineRouter:
     def reroute(self, trajectory_id: str) -> Decision:
         return self._move(trajectory_id, self._live[trajectory_id].bucket, Reason.REROUTED)
 
-    def add_instance(self, instance_id: int, bucket: int, ready: bool = True) -> None:
+    def add_instance(self, instance_id: int, bucket: int, ready: bool = True, weight: int = 1) -> None:
         if instance_id in self._instances:
             raise ValueError(f"instance {instance_id} already exists")
-        self._instances[instance_id] = _Instance(bucket, ready)
+        if weight < 1:
+            raise ValueError(f"instance {instance_id}: weight must be >= 1, got {weight}")
+        self._instances[instance_id] = _Instance(bucket, ready, weight=weight)
 
     def remove_instance(self, instance_id: int) -> list[str]:
         del self._instances[instance_id]
@@ -106,6 +115,23 @@ class _BaselineRouter:
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         self._instances[instance_id].ready = ready
+
+    def update_buckets(
+        self, buckets: Sequence[BucketConfig], instance_buckets: Mapping[int, int]
+    ) -> list[Decision]:
+        from libra.scheduler.cmlfq import check_instance_buckets
+
+        config = dataclasses.replace(self.config, buckets=tuple(buckets))
+        check_instance_buckets(instance_buckets, list(self._instances), len(config.buckets))
+        self.config = config
+        for instance_id, bucket in instance_buckets.items():
+            self._instances[instance_id].bucket = bucket
+        last = len(config.buckets) - 1
+        for live in self._live.values():
+            live.bucket = (
+                self._instances[live.instance].bucket if live.instance is not None else min(live.bucket, last)
+            )
+        return []
 
     # Placement.
 
@@ -138,20 +164,22 @@ class _BaselineRouter:
         return bucket, None, Reason.NO_INSTANCE
 
     def _least_loaded(self, bucket: int | None, previous: int | None, capped: bool) -> int | None:
-        """The least-loaded ready instance of `bucket` (None: of all), under the cap if `capped`;
-        ties go to `previous`, then to the lowest id."""
+        """The least-loaded (live trajectories / weight) ready instance of `bucket` (None: of
+        all), under the cap (max_queue_length x weight) if `capped`; ties go to `previous`, then
+        to the lowest id."""
         candidates = [
-            (instance.active, instance_id != previous, instance_id)
+            (Fraction(instance.active, instance.weight), instance_id != previous, instance_id)
             for instance_id, instance in self._instances.items()
             if instance.ready
             and (bucket is None or instance.bucket == bucket)
-            and (not capped or instance.active < self.config.max_queue_length)
+            and (not capped or instance.active < self.config.max_queue_length * instance.weight)
         ]
         return min(candidates)[2] if candidates else None
 
 
 class LeastLoadRouter(_BaselineRouter):
-    """Homogeneous pool: each trajectory goes to the ready instance with the fewest live trajectories."""
+    """Each trajectory goes to the ready instance with the fewest live trajectories per unit of
+    weight (on a homogeneous pool: the fewest)."""
 
     def _place(self, bucket: int, previous: int | None) -> tuple[int, int | None, Reason | None]:
         chosen = self._least_loaded(None, previous, capped=False)

@@ -8,10 +8,12 @@ and combined across controllers with `merge`.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from libra import _native
-from libra.scheduler.config import CmlfqConfig
+from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.scheduler.interface import Decision, Reason
 from libra.scheduler.tool_state import ToolReturnState
 
@@ -78,10 +80,12 @@ class CmlfqRouter:
     def reroute(self, trajectory_id: str) -> Decision:
         return _decision(trajectory_id, self._core.reroute(trajectory_id))
 
-    def add_instance(self, instance_id: int, bucket: int, ready: bool = True) -> None:
+    def add_instance(self, instance_id: int, bucket: int, ready: bool = True, weight: int = 1) -> None:
         if not 0 <= bucket < len(self.config.buckets):
             raise ValueError(f"bucket must be in 0..{len(self.config.buckets) - 1}, got {bucket}")
-        self._core.add_instance(instance_id, bucket, ready)
+        if not 1 <= weight <= _MAX_TOKENS:
+            raise ValueError(f"instance {instance_id}: weight must be in 1..{_MAX_TOKENS}, got {weight}")
+        self._core.add_instance(instance_id, bucket, ready, weight)
 
     def remove_instance(self, instance_id: int) -> list[str]:
         return self._core.remove_instance(instance_id)
@@ -91,6 +95,26 @@ class CmlfqRouter:
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         self._core.set_instance_ready(instance_id, ready)
+
+    def update_buckets(
+        self, buckets: Sequence[BucketConfig], instance_buckets: Mapping[int, int]
+    ) -> list[Decision]:
+        """See `Router.update_buckets`. A trajectory that has not yet returned from a tool, or
+        whose path's mean and P90 disagree under the new thresholds, stays on its instance (now in
+        that instance's new bucket); one whose mean and P90 agree on another bucket moves there
+        (the rules of `on_tool_return`, applied to its path so far)."""
+        config = dataclasses.replace(self.config, buckets=tuple(buckets))
+        check_instance_buckets(
+            instance_buckets, [load.instance_id for load in self.instance_loads()], len(config.buckets)
+        )
+        moved = self._core.update_buckets(config.thresholds, sorted(instance_buckets.items()))
+        self.config = config
+        return [_decision(trajectory_id, decision) for trajectory_id, decision in moved]
+
+    @property
+    def thresholds(self) -> list[int]:
+        """The core's bucket thresholds now (they change with `update_buckets`)."""
+        return self._core.thresholds()
 
     def instance_loads(self) -> list[InstanceLoad]:
         return [InstanceLoad(*load) for load in self._core.instance_loads()]
@@ -129,3 +153,22 @@ def _decision(trajectory_id: str, core_decision: tuple[int, int, int, bool]) -> 
     """From the core's (bucket, instance or -1, reason, migrated)."""
     bucket, instance, reason, migrated = core_decision
     return Decision(trajectory_id, bucket, None if instance < 0 else instance, _REASONS[reason], migrated)
+
+
+def check_instance_buckets(
+    instance_buckets: Mapping[int, int], instances: list[int], num_buckets: int
+) -> None:
+    """ValueError naming the first instance `instance_buckets` misses, does not know, or puts in
+    a bucket outside 0..num_buckets-1."""
+    missing = sorted(set(instances) - set(instance_buckets))
+    unknown = sorted(set(instance_buckets) - set(instances))
+    if missing or unknown:
+        raise ValueError(
+            f"instance_buckets must name every instance exactly once: missing {missing}, unknown {unknown}"
+        )
+    bad = sorted(i for i, b in instance_buckets.items() if not 0 <= b < num_buckets)
+    if bad:
+        raise ValueError(
+            f"instance_buckets: instance {bad[0]} has bucket {instance_buckets[bad[0]]}, "
+            f"not in 0..{num_buckets - 1}"
+        )

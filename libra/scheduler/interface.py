@@ -10,15 +10,18 @@ The agent loop calls a router from its asyncio loop, once per event of a traject
 
 The planner and the control plane change the pool with `add_instance`, `remove_instance`,
 `set_instance_ready` and `on_instance_lost`; trajectories displaced from a removed or lost
-instance are returned, never dropped, and go back in with `reroute`.
+instance are returned, never dropped, and go back in with `reroute`. When a new plan changes the
+buckets themselves (their TP sizes or thresholds), `update_buckets` replaces them at run time.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from libra.scheduler.config import BucketConfig
 from libra.scheduler.tool_state import ToolReturnState
 
 
@@ -89,8 +92,11 @@ class Router(Protocol):
         """Place a live trajectory again in its bucket (after `on_instance_lost` displaced it)."""
         ...
 
-    def add_instance(self, instance_id: int, bucket: int, ready: bool = True) -> None:
-        """A rollout instance of bucket `bucket` joins the pool."""
+    def add_instance(self, instance_id: int, bucket: int, ready: bool = True, weight: int = 1) -> None:
+        """A rollout instance of bucket `bucket` joins the pool. `weight` (>= 1): how many
+        sequences it holds relative to the pool's smallest instance; placement compares live
+        trajectories per unit of weight and caps an instance at max_queue_length x weight, so
+        a heterogeneous pool is loaded by capacity, not by count."""
         ...
 
     def remove_instance(self, instance_id: int) -> list[str]:
@@ -105,4 +111,15 @@ class Router(Protocol):
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         """A not-ready instance (loading weights, draining) takes no new trajectories; those it
         has move elsewhere at their next tool return."""
+        ...
+
+    def update_buckets(
+        self, buckets: Sequence[BucketConfig], instance_buckets: Mapping[int, int]
+    ) -> list[Decision]:
+        """A new plan's buckets replace the current ones: `buckets` (validated as
+        `CmlfqConfig.buckets`) and, for every instance of the pool, the index of its new bucket.
+        Live trajectories are decided again under the new thresholds; those moved to another
+        instance are returned (their next turn runs there), the rest stay where they are.
+        ValueError, changing nothing, if `instance_buckets` does not name each instance once
+        with a valid bucket."""
         ...

@@ -4,8 +4,10 @@ planner with simulated rollout instances and training steps.
 Owns the trace format (`trace`, JSONL, derivable from a real `Trajectory`), workload generators
 with long tails and drift (`workloads`), the simulated instance (`instance`: continuous batching
 over the planner's rollout cost model), the event engine (`engine`), the RL loop of each compared
-policy (`loop`, `pools`), metrics, the markdown/PNG report, and the calibration path
-(`calibration`). `libra simulate CONFIG` runs `configs/sim_*.py`.
+policy (`loop`, `pools`; a re-plan that changes the buckets updates the router's at run time),
+metrics, the markdown/PNG report, the calibration path (`calibration`) and the validation
+against real runs (`validation`: calibrate on a `libra run` folder, replay its trajectories,
+compare step times). `libra simulate CONFIG` runs `configs/sim_*.py`.
 """
 
 from libra.sim.config import (

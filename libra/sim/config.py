@@ -17,6 +17,7 @@ from libra.backends.base import HardwareProfile
 from libra.backends.profiles import A800_SXM4_80GB, ASCEND_910B, H100_SXM_80GB, H200_SXM_141GB
 from libra.planner.config import ClusterSpec, ModelArch, PlannerConfig, TrainingBatch
 from libra.planner.cost_model import EfficiencyFactors
+from libra.planner.cpu_reference import cpu_profile
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
 from libra.sim.workloads import WorkloadConfig
 
@@ -25,7 +26,9 @@ PROFILES: dict[str, HardwareProfile] = {
     "h100": H100_SXM_80GB,
     "h200": H200_SXM_141GB,
     "ascend910b": ASCEND_910B,
+    "cpu": cpu_profile(1),
 }
+"""`cpu`: one CPU slot of this project's machines (what `libra.sim.validation` replays runs on)."""
 
 QWEN3_14B = ModelArch(
     num_layers=40,
@@ -142,6 +145,14 @@ POLICIES: dict[str, PolicySpec] = {
             description="Libra on the original's fixed layout, never re-planned",
         ),
         PolicySpec(
+            "fixed_least_load",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.FIXED_PATTERN,
+            RouterKind.LEAST_LOAD,
+            description="libra_no_planner's heterogeneous layout with capacity-weighted least-load "
+            "routing instead of C-MLFQ: C-MLFQ's own effect where there are buckets to route between",
+        ),
+        PolicySpec(
             "libra",
             Mode.DISAGGREGATED_ASYNC,
             Pool.PLANNED,
@@ -155,6 +166,10 @@ POLICIES: dict[str, PolicySpec] = {
 
 BASELINES = ("colocated_sync", "disaggregated_static", "length_mlfq", "tail_batching")
 ABLATIONS = ("libra_no_cmlfq", "libra_no_elastic", "libra_no_planner")
+HETEROGENEOUS_ABLATION = ("libra_no_planner", "fixed_least_load")
+"""C-MLFQ against least-load on one heterogeneous layout. When the planner's pool has a single
+bucket (the best pool for the workload can be homogeneous), libra_no_cmlfq equals libra by
+construction, and this pair is where the router's effect shows."""
 
 
 @dataclass(frozen=True)

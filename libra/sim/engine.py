@@ -16,11 +16,12 @@ re-prefilled, or its KV moved, per `MovementCosts.migration`.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field, replace
 
 from libra.planner.rollout_cost import RolloutCostModel
-from libra.scheduler.config import CmlfqConfig
+from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.scheduler.interface import Decision, Router
 from libra.scheduler.tool_state import ToolReturnState
 from libra.sim.instance import DecodeCoefficients, Instance, Sequence, prefill_s
@@ -56,6 +57,15 @@ class LiveTrajectory:
     @property
     def oldest_version(self) -> int | None:
         return min(self.versions) if self.versions else None
+
+
+def instance_weight(cost: RolloutCostModel, tp: int) -> int:
+    """A TP-tp instance's router weight: its KV capacity in units of the smallest instance size
+    that holds the model (a TP-8 instance holds several times what a TP-1 one does, and should
+    get that share of the trajectories)."""
+    sizes = [k for k in (1, 2, 4, 8, 16) if cost.token_capacity(k) > 0]
+    unit = cost.token_capacity(sizes[0]) if sizes else 0
+    return max(1, round(cost.token_capacity(tp) / unit)) if unit > 0 else 1
 
 
 class RolloutCluster:
@@ -113,6 +123,9 @@ class RolloutCluster:
             self._coefficients[tp] = DecodeCoefficients.of(self.cost, tp)
         return self._coefficients[tp]
 
+    def weight(self, tp: int) -> int:
+        return instance_weight(self.cost, tp)
+
     def add_instance(
         self, name: str, tp: int, bucket: int, devices: tuple[int, ...], ready_at: float
     ) -> Instance:
@@ -130,7 +143,7 @@ class RolloutCluster:
         self._next_instance += 1
         self.instances[inst.instance_id] = inst
         ready = ready_at <= self.now
-        self.router.add_instance(inst.instance_id, bucket, ready=ready)
+        self.router.add_instance(inst.instance_id, bucket, ready=ready, weight=self.weight(tp))
         if not ready:
             self.schedule(ready_at, self._instance_ready, inst)
         return inst
@@ -162,6 +175,41 @@ class RolloutCluster:
             self.live[key].instance = None
             self.unplaced.add(key)
         self.reroute_unplaced()
+
+    def update_buckets(self, buckets: SequenceOf[BucketConfig], instance_buckets: Mapping[int, int]) -> int:
+        """A re-plan changed the buckets (`Router.update_buckets`). The router decides every live
+        trajectory again; one it moves leaves its old instance now -- a turn in flight is cut,
+        keeping its tokens, and resumes on the new instance (re-prefill) -- and one in a tool
+        call runs its next turn there. Returns how many moved."""
+        for instance_id, bucket in instance_buckets.items():
+            self.instances[instance_id].bucket = bucket
+        moved = self.router.update_buckets(buckets, instance_buckets)
+        self.cmlfq_config = replace(self.cmlfq_config, buckets=tuple(buckets))
+        for decision in moved:
+            traj = self.live[self._by_id[decision.trajectory_id]]
+            old = self.instances.get(traj.instance) if traj.instance is not None else None
+            was_running = old is not None and self._cut_from(old, traj)
+            traj.instance = decision.instance_id
+            if was_running:
+                self._run_turn(traj)
+        return len(moved)
+
+    def _cut_from(self, inst: Instance, traj: LiveTrajectory) -> bool:
+        """Takes `traj`'s turn off `inst` (decoding or queued); False if it was not there."""
+        inst.advance(self.now)
+        seq = next((s for s in (*inst.active, *inst.waiting) if s.key == traj.key), None)
+        if seq is None:
+            return False
+        inst.active = [s for s in inst.active if s is not seq]
+        inst.waiting = type(inst.waiting)(s for s in inst.waiting if s is not seq)
+        inst.kv_tokens = sum(s.context for s in inst.active)
+        turn_output = traj.trace.turns[traj.turn].output_tokens
+        traj.carried = max(0.0, turn_output - max(seq.left, 0.0))
+        traj.context = max(traj.context, seq.context)
+        traj.cached_on = None
+        inst.admit_waiting()
+        self._reschedule(inst)
+        return True
 
     def reroute_unplaced(self) -> None:
         for key in sorted(self.unplaced):

@@ -37,12 +37,8 @@ class DecodeCoefficients:
 
     @staticmethod
     def of(cost: RolloutCostModel, tp: int) -> DecodeCoefficients:
-        # decode_step(tp, B, ctx) is affine in B and in B*ctx; three evaluations recover it.
-        f = cost.factors
-        zero = cost.decode_step(tp, 0.0, 0.0).seconds(f)
-        one = cost.decode_step(tp, 1.0, 0.0).seconds(f)
-        one_ctx = cost.decode_step(tp, 1.0, 1000.0).seconds(f)
-        return DecodeCoefficients(tp, zero, one - zero, (one_ctx - one) / 1000.0, cost.token_capacity(tp))
+        base, per_sequence, per_kv_token = cost.decode_coefficients(tp)
+        return DecodeCoefficients(tp, base, per_sequence, per_kv_token, cost.token_capacity(tp))
 
     def step_s(self, batch: int, kv_tokens: float) -> float:
         return self.base_s + self.per_sequence_s * batch + self.per_kv_token_s * kv_tokens

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from libra.planner.config import RequestRecord, TriggerPolicy
 from libra.planner.diff import JoinHybridReplica, ReleaseHybridReplica, RestartTraining, diff_plans
+from libra.planner.evaluate import evaluate_plan
 from libra.planner.planner import Planner
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
@@ -32,9 +33,17 @@ from libra.planner.triggers import StepObservation, decide_apply
 from libra.scheduler.baselines import LeastLoadRouter, LengthMlfqRouter
 from libra.scheduler.cmlfq import CmlfqRouter
 from libra.sim.config import Mode, PolicySpec, RouterKind, SimConfig
-from libra.sim.engine import LiveTrajectory, RolloutCluster
+from libra.sim.engine import LiveTrajectory, RolloutCluster, instance_weight
 from libra.sim.metrics import DeviceLedger, SimResult, StepRecord, tail_share
-from libra.sim.pools import Layout, build_layout, derived_queue_length, planning_problem
+from libra.sim.pools import (
+    Layout,
+    bucket_configs,
+    bucket_of,
+    build_layout,
+    derived_queue_length,
+    plan_buckets,
+    planning_problem,
+)
 from libra.sim.trace import TrajectoryTrace
 from libra.sim.workloads import WorkloadGenerator
 
@@ -85,7 +94,8 @@ class PolicyRun:
             config.planner,
             config.train_factors,
         )
-        cmlfq_config = layout.cmlfq_config(derived_queue_length(config, policy, len(layout.instances)))
+        total_weight = sum(instance_weight(rollout_cost, i.tp) for i in layout.instances)
+        cmlfq_config = layout.cmlfq_config(derived_queue_length(config, policy, total_weight))
         router = {
             RouterKind.CMLFQ: CmlfqRouter,
             RouterKind.LENGTH_MLFQ: LengthMlfqRouter,
@@ -114,6 +124,9 @@ class PolicyRun:
         self.notes: list[str] = []
         self.planner: Planner | None = None
         self.current_plan = layout.plan
+        self.bucket_tps, self.thresholds = layout.bucket_tps, layout.thresholds
+        self.bucket_updates = 0
+        self.bucket_moves = 0
         w = config.model.weight_bytes
         self.publish_s = (
             0.0
@@ -126,7 +139,7 @@ class PolicyRun:
     def _place_instances(self, instances, ready_at: float) -> None:
         for inst in instances:
             sim = self.cluster.add_instance(
-                inst.instance_id, inst.tp, self.layout.bucket_of(inst.tp), inst.devices, ready_at
+                inst.instance_id, inst.tp, bucket_of(self.bucket_tps, inst.tp), inst.devices, ready_at
             )
             self.instance_of_name[inst.instance_id] = sim.instance_id
 
@@ -431,7 +444,18 @@ class AsyncRun(PolicyRun):
         )
         costs = self.config.costs
         cost = costs.restart_training_s if restart else costs.hybrid_join_s + costs.instance_start_s
-        decision = decide_apply(max(train_s, rollout_s), candidate.predicted_step_s, cost, planner.policy)
+        # The gain is judged model against model: the running plan re-priced on the same history
+        # as the candidate. (Against the measured step, every candidate looks like a gain by the
+        # model's own error, and near-equal plans -- common when the slowest trajectory bounds
+        # rollout -- replace each other every few steps, each time restarting instances.)
+        problem = planning_problem(self.config, tuple(self.history), self.staleness_bound)
+        try:
+            current_s = evaluate_plan(
+                problem, self.current_plan, self.config.train_factors, self.config.rollout_factors
+            ).predicted_step_s
+        except ValueError:  # the running plan no longer fits the workload (e.g. memory, drift)
+            current_s = math.inf
+        decision = decide_apply(current_s, candidate.predicted_step_s, cost, planner.policy)
         if not decision.apply:
             planner.veto_candidate(decision.reason)
             self.plans_rejected += 1
@@ -450,6 +474,7 @@ class AsyncRun(PolicyRun):
         for key, inst in old_keys.items():
             if key not in new_keys:
                 self.cluster.remove_instance(self.instance_of_name.pop(inst.instance_id))
+        self._update_buckets(plan)
         new_train = plan.training.devices
         if restart:
             ready = now + costs.restart_training_s
@@ -477,6 +502,23 @@ class AsyncRun(PolicyRun):
         self.notes.append(
             f"step {self.step}: applied plan ({'restart' if restart else 'elastic'}): "
             f"train {plan.training.config.num_devices} devices, {len(plan.instances)} instances"
+        )
+
+    def _update_buckets(self, plan) -> None:
+        """When the plan's buckets (TP sizes or thresholds) differ from the router's, the router
+        takes the new ones at run time; the instances still running are relabelled (the ones
+        the plan drops were removed already, the ones it adds join in the new buckets)."""
+        tps, thresholds = plan_buckets(plan)
+        if (tps, thresholds) == (self.bucket_tps, self.thresholds) or not tps:
+            return
+        self.bucket_tps, self.thresholds = tps, thresholds
+        mapping = {i: bucket_of(tps, inst.tp) for i, inst in self.cluster.instances.items()}
+        moved = self.cluster.update_buckets(bucket_configs(tps, thresholds), mapping)
+        self.bucket_moves += moved
+        self.bucket_updates += 1
+        self.notes.append(
+            f"step {self.step}: router buckets now TP {list(tps)} up to {list(thresholds)} remaining "
+            f"tokens ({moved} live trajectories moved)"
         )
 
     def _reassign(self, device: int, role: str, at: float) -> None:

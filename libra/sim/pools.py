@@ -38,15 +38,12 @@ class Layout:
     plan: Plan | None = None
 
     def bucket_of(self, tp: int) -> int:
-        """The bucket of an instance of size tp: the largest bucket TP not above it."""
-        fitting = [i for i, b in enumerate(self.bucket_tps) if b <= tp]
-        return fitting[-1] if fitting else 0
+        return bucket_of(self.bucket_tps, tp)
 
     def cmlfq_config(self, max_queue_length: int) -> CmlfqConfig:
-        buckets = tuple(
-            BucketConfig(f"tp{tp}", tp, t) for tp, t in zip(self.bucket_tps, self.thresholds, strict=True)
+        return CmlfqConfig(
+            buckets=bucket_configs(self.bucket_tps, self.thresholds), max_queue_length=max_queue_length
         )
-        return CmlfqConfig(buckets=buckets, max_queue_length=max_queue_length)
 
 
 def planning_problem(
@@ -137,12 +134,27 @@ def build_layout(
         tp = homogeneous_tp(config, history)
         instances = place_rollout(n_train, n, dpn, [tp] * ((n - n_train) // tp))
         return Layout(training, tuple(range(n_train)), instances, (tp,), (_MAX_TOKENS,))
-    planned = [b for b in initial_plan.buckets if b.num_instances > 0]
-    tps = tuple(b.tp for b in planned)
-    thresholds = _strictly_increasing([b.max_output_tokens for b in planned])
+    tps, thresholds = plan_buckets(initial_plan)
     return Layout(
         training, initial_plan.training.devices, initial_plan.instances, tps, thresholds, initial_plan
     )
+
+
+def plan_buckets(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The router buckets of a plan: the TP sizes it runs instances of, ascending, and their
+    thresholds (each bucket's largest output length in the planned history)."""
+    planned = [b for b in plan.buckets if b.num_instances > 0]
+    return tuple(b.tp for b in planned), _strictly_increasing([b.max_output_tokens for b in planned])
+
+
+def bucket_configs(tps: tuple[int, ...], thresholds: tuple[int, ...]) -> tuple[BucketConfig, ...]:
+    return tuple(BucketConfig(f"tp{tp}", tp, t) for tp, t in zip(tps, thresholds, strict=True))
+
+
+def bucket_of(bucket_tps: tuple[int, ...], tp: int) -> int:
+    """The bucket of an instance of size tp: the largest bucket TP not above it."""
+    fitting = [i for i, b in enumerate(bucket_tps) if b <= tp]
+    return fitting[-1] if fitting else 0
 
 
 def initial_plan(config: SimConfig, history: tuple[RequestRecord, ...], max_staleness: int) -> Plan:
@@ -151,16 +163,17 @@ def initial_plan(config: SimConfig, history: tuple[RequestRecord, ...], max_stal
     )
 
 
-def derived_queue_length(config: SimConfig, policy: PolicySpec, num_instances: int) -> int:
-    """C-MLFQ's per-instance cap when the config leaves it 0: the fair share of the trajectories
-    that can be in flight at once (with the original's cap of 3 and hundreds of trajectories in
-    flight every bucket saturates and routing degenerates to least-load; with no cap, admission
-    to the smallest bucket starves the others)."""
+def derived_queue_length(config: SimConfig, policy: PolicySpec, total_weight: int) -> int:
+    """C-MLFQ's cap per unit of instance weight when the config leaves it 0: the fair share of
+    the trajectories that can be in flight at once, per unit of capacity (with the original's cap
+    of 3 and hundreds of trajectories in flight every bucket saturates and routing degenerates to
+    least-load; with no cap, admission to the smallest bucket starves the others; with one cap
+    for every instance size, admission floods the small instances' KV while large ones idle)."""
     if config.cmlfq_max_queue_length:
         return config.cmlfq_max_queue_length
     staleness = config.batch.max_staleness if policy.max_staleness is None else policy.max_staleness
     in_flight = config.batch.global_batch * (1 if policy.mode is Mode.COLOCATED_SYNC else staleness + 1)
-    return max(3, math.ceil(in_flight / max(1, num_instances)))
+    return max(3, math.ceil(in_flight / max(1, total_weight)))
 
 
 def _strictly_increasing(values: list[int]) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from libra.sim.config import ABLATIONS, BASELINES, POLICIES
+from libra.sim.config import ABLATIONS, BASELINES, HETEROGENEOUS_ABLATION, POLICIES
 from libra.sim.runner import Comparison
 
 
@@ -35,6 +35,12 @@ def speedup_lines(comparison: Comparison, reference: str = "libra") -> list[str]
     for other in (*BASELINES, *ABLATIONS):
         if other in comparison.results:
             lines.append(f"- {reference} / {other}: {comparison.speedup(reference, other):.2f}x throughput")
+    cmlfq, least_load = HETEROGENEOUS_ABLATION
+    if cmlfq in comparison.results and least_load in comparison.results:
+        lines.append(
+            f"- on the fixed heterogeneous layout, C-MLFQ / least-load ({cmlfq} / {least_load}): "
+            f"{comparison.speedup(cmlfq, least_load):.2f}x throughput"
+        )
     r = comparison.results[reference]
     lines.append(
         f"- {reference} step time / ideal lower bound (no idle device): {r.step_s / r.ideal_step_s:.2f}"

@@ -9,6 +9,9 @@ transports are shared memory (`shm`), a torch.distributed group (`collective`) a
 (`grpc_stream`); a vLLM worker extension stages, verifies and commits a version between turns,
 never half-loaded (`vllm_loader`, driven by `instance_update`); the controller's `versions`
 ledger tracks which version each instance runs and retries failed loads.
+Inside the trainer, `trainer_publisher` gathers the ranks' shards to the publishing rank and owns
+the publisher; what an instance loads is a typed `LoadRequest` (`load_request`), carried over
+gRPC as `libra.v1.VersionLoad` (`wire`).
 """
 
 from libra.sync.config import SyncConfig
@@ -26,6 +29,7 @@ from libra.sync.layouts import (
     vllm_layout,
     vllm_vocab_size,
 )
+from libra.sync.load_request import LoadRequest, RankLoad
 from libra.sync.plan import BucketSlice, ParamSlot, TransferPlan, build_transfer_plan
 from libra.sync.publisher import Publication, WeightPublisher
 from libra.sync.transport import BufferManifest, TransferError, WeightReceiver, WeightSender
@@ -36,9 +40,11 @@ __all__ = [
     "BucketSlice",
     "BufferManifest",
     "DestLayout",
+    "LoadRequest",
     "ModelShape",
     "ParamSlot",
     "Publication",
+    "RankLoad",
     "ShardParam",
     "SourceKey",
     "SourceLayout",

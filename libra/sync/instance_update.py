@@ -10,8 +10,11 @@ so the controller can retry.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from libra.sync.load_request import LoadRequest
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,11 @@ class LoadResult:
     """Slowest rank's fetch + verify."""
     commit_seconds: float = 0.0
     """Slowest rank's copy into the live params."""
+    seconds: float = 0.0
+    """Wall time of the whole switch as the caller measured it (a rollout instance: pause ->
+    resume); 0 where the caller does not set it."""
+    num_preempted: int = 0
+    """Requests in flight that the switch preempted (a rollout instance)."""
 
 
 def _failure(results: list[dict[str, Any]]) -> str:
@@ -34,9 +42,15 @@ def _slowest(results: list[dict[str, Any]]) -> float:
     return max((r["seconds"] for r in results), default=0.0)
 
 
-def apply_version(llm: Any, request: dict[str, Any], fail_after: int = -1) -> LoadResult:
+def _plain(request: LoadRequest | Mapping[str, Any]) -> dict[str, Any]:
+    """The request as `collective_rpc` carries it to the workers (plain data)."""
+    return request.to_dict() if isinstance(request, LoadRequest) else dict(request)
+
+
+def apply_version(llm: Any, request: LoadRequest | Mapping[str, Any], fail_after: int = -1) -> LoadResult:
     """Loads `Publication.load_request(tp)` into a `vllm.LLM` started with the Libra worker
     extension. `fail_after` >= 0 injects a failure into the commit (tests)."""
+    request = _plain(request)
     version = int(request["version"])
     staged = llm.collective_rpc("libra_stage", args=(request,))
     if not all(r["ok"] for r in staged):
@@ -50,8 +64,9 @@ def apply_version(llm: Any, request: dict[str, Any], fail_after: int = -1) -> Lo
     return LoadResult(True, version, "", _slowest(staged), _slowest(committed))
 
 
-async def apply_version_async(engine: Any, request: dict[str, Any]) -> LoadResult:
+async def apply_version_async(engine: Any, request: LoadRequest | Mapping[str, Any]) -> LoadResult:
     """The same for a paused `AsyncLLM` (`vllm.v1.engine.async_llm`)."""
+    request = _plain(request)
     version = int(request["version"])
     staged = await engine.collective_rpc("libra_stage", args=(request,))
     if not all(r["ok"] for r in staged):

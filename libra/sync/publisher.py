@@ -18,6 +18,7 @@ import torch
 
 from libra.sync.executor import execute
 from libra.sync.layouts import SourceKey
+from libra.sync.load_request import LoadRequest, RankLoad
 from libra.sync.plan import TransferPlan
 from libra.sync.transport import (
     CHECKSUMS,
@@ -45,17 +46,14 @@ class Publication:
     """Wall time of `publish` (resharding, checksums, transport hand-off)."""
     tp_sizes: tuple[int, ...] = field(default=())
 
-    def load_request(self, tp_size: int) -> dict[str, Any]:
-        """The request an instance with TP = `tp_size` hands to `libra_stage` (plain data)."""
+    def load_request(self, tp_size: int) -> LoadRequest:
+        """What an instance with TP = `tp_size` loads this version from."""
         if tp_size not in self.tp_sizes:
             raise ValueError(
                 f"version {self.version} was not published for TP={tp_size} (has {self.tp_sizes})"
             )
-        ranks = []
-        for rank in range(tp_size):
-            key = buffer_key(tp_size, rank)
-            ranks.append({"manifest": self.manifests[key].to_dict(), "handle": self.handles[key]})
-        return {"version": self.version, "ranks": ranks}
+        keys = [buffer_key(tp_size, rank) for rank in range(tp_size)]
+        return LoadRequest(self.version, tuple(RankLoad(self.manifests[k], self.handles[k]) for k in keys))
 
 
 class WeightPublisher:
@@ -72,18 +70,18 @@ class WeightPublisher:
         if checksum_algorithm not in CHECKSUMS:
             raise ValueError(f"checksum_algorithm must be one of {CHECKSUMS}, got {checksum_algorithm!r}")
         for tp_size, plan in plans.items():
-            if plan.num_ranks != tp_size:
-                raise ValueError(f"plan for TP={tp_size} has {plan.num_ranks} destination ranks")
-            if plan.elem_size != dtype.itemsize:
-                raise ValueError(
-                    f"plan for TP={tp_size} has {plan.elem_size}-byte elements, {dtype} has {dtype.itemsize}"
-                )
+            _check_plan(tp_size, plan, dtype)
         self.plans = dict(plans)
         self.sender = sender
         self.dtype = dtype
         self.num_threads = num_threads
         self.checksum_algorithm = checksum_algorithm
         self.last_version = -1
+
+    def add_plan(self, tp_size: int, plan: TransferPlan) -> None:
+        """Publishes for one more TP size from the next version on (a bucket of a new size)."""
+        _check_plan(tp_size, plan, self.dtype)
+        self.plans[tp_size] = plan
 
     def publish(self, version: int, shards: Mapping[SourceKey, torch.Tensor]) -> Publication:
         """Writes every destination rank's buffer of `version` from the trainer's Megatron shards
@@ -129,3 +127,12 @@ class WeightPublisher:
 
     def release(self, version: int) -> None:
         self.sender.release(version)
+
+
+def _check_plan(tp_size: int, plan: TransferPlan, dtype: torch.dtype) -> None:
+    if plan.num_ranks != tp_size:
+        raise ValueError(f"plan for TP={tp_size} has {plan.num_ranks} destination ranks")
+    if plan.elem_size != dtype.itemsize:
+        raise ValueError(
+            f"plan for TP={tp_size} has {plan.elem_size}-byte elements, {dtype} has {dtype.itemsize}"
+        )

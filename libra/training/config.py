@@ -28,6 +28,13 @@ class GrpoConfig:
     """Divide group-centred rewards by the group's standard deviation (GRPO); False: Dr. GRPO."""
     std_eps: float = 1e-6
     """Added to the group standard deviation before dividing."""
+    loss_aggregation: str = "token_mean"
+    """`token_mean`: every masked token of the batch weighs the same (DAPO); `sequence_mean`: every
+    trajectory weighs the same, its tokens sharing its weight (see `libra.training.grpo`)."""
+    temperature: float = 1.0
+    """The rollouts' sampling temperature: logits are divided by it before every logprob, so the
+    trainer scores tokens under the distribution the engine sampled them from. Must equal
+    `rollout.agent.temperature` (checked by `LibraConfig`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1:
@@ -42,6 +49,13 @@ class GrpoConfig:
             raise ValueError(f"training.grpo.importance_cap must be >= 1, got {self.importance_cap}")
         if self.std_eps <= 0:
             raise ValueError(f"training.grpo.std_eps must be > 0, got {self.std_eps}")
+        if self.loss_aggregation not in ("token_mean", "sequence_mean"):
+            raise ValueError(
+                "training.grpo.loss_aggregation must be token_mean or sequence_mean, "
+                f"got {self.loss_aggregation!r}"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"training.grpo.temperature must be > 0, got {self.temperature}")
 
 
 @dataclass

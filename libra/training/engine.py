@@ -197,9 +197,7 @@ class TrainEngine:
         dist.all_reduce(out, group=self._dp_group)
         dist.all_reduce(out, group=self._pp_group)
         if peer is not None:
-            out = peer.combine_logprobs(
-                out, lambda share: self._forward_share(trajectories, model, share)
-            )
+            out = peer.combine_logprobs(out, lambda share: self._forward_share(trajectories, model, share))
         return out
 
     @torch.no_grad()
@@ -312,6 +310,10 @@ class TrainEngine:
             extra = {
                 "rollout": [batch[i].rollout_logprobs for i in mb.indices],
                 "advantage": [[advantages[i]] * len(batch[i].response_token_ids) for i in mb.indices],
+                "scale": [
+                    [self._token_scale(batch[i], len(indices), num_tokens)] * len(batch[i].response_token_ids)
+                    for i in mb.indices
+                ],
             }
             extra["old"] = (
                 [old[i, : len(batch[i].response_token_ids)].tolist() for i in mb.indices]
@@ -333,9 +335,10 @@ class TrainEngine:
                     self.cfg.grpo,
                     ref_logp=rows.values.get("ref"),
                     entropy=entropy,
+                    scale=rows.values["scale"],
                 )
-                # Token-level aggregation over the global mini-batch: micro-batches and DP ranks sum.
-                (terms.loss_sum / max(num_tokens, 1)).backward()
+                # Scales are of the global mini-batch: micro-batches and DP ranks sum to its loss.
+                terms.objective.backward()
                 stats += torch.tensor(
                     [
                         terms.loss_sum.item(),
@@ -353,6 +356,13 @@ class TrainEngine:
             if not self.info.is_first_stage:
                 self._send_grad(rows)
         return stats
+
+    def _token_scale(self, trajectory: Trajectory, num_rows: int, num_tokens: int) -> float:
+        """Weight of each of `trajectory`'s tokens in a mini-batch of `num_rows` trajectories and
+        `num_tokens` masked tokens (`GrpoConfig.loss_aggregation`)."""
+        if self.cfg.grpo.loss_aggregation == "sequence_mean":
+            return 1.0 / (max(sum(trajectory.loss_mask), 1) * num_rows)
+        return 1.0 / max(num_tokens, 1)
 
     # -- pipeline plumbing -----------------------------------------------------------------------
 
@@ -407,6 +417,8 @@ class TrainEngine:
 
     def _logprobs(self, logits_BSV: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
         logits = mask_vocab_padding(logits_BSV, self._vocab_start, self.arch.vocab_size)
+        if self.cfg.grpo.temperature != 1.0:
+            logits = logits / self.cfg.grpo.temperature
         return logprobs_and_entropy(
             logits, targets, self._vocab_start, self._tp_group, self.info.tp_size, with_entropy=with_entropy
         )

@@ -13,6 +13,10 @@ Per token t with loss mask m_t (0 for tool results, templates and padding):
 
 N is the number of masked tokens in the whole (global) batch: token-level aggregation, so long
 trajectories weigh by their tokens (DAPO), and micro-batches or DP ranks sum to the same loss.
+`loss_aggregation="sequence_mean"` instead weighs every trajectory equally: 1 / (n_i * B) per
+token of trajectory i (n_i its masked tokens, B trajectories), so within a group the positive and
+negative advantages, which sum to zero, also push with equal total weight however long the
+failed trajectories run.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class TokenLoss:
     entropy_sum: torch.Tensor
     clipped_tokens: torch.Tensor
     """Masked tokens whose ratio was clipped (the clip was the active branch of the min)."""
+    objective: torch.Tensor
+    """sum_t m_t * s_t * loss_t with the per-token aggregation scale s_t: what backward runs on."""
 
 
 def grpo_token_loss(
@@ -75,8 +81,10 @@ def grpo_token_loss(
     cfg: GrpoConfig,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> TokenLoss:
-    """All tensors are [rows, tokens] (advantages per token, i.e. the row's value broadcast)."""
+    """All tensors are [rows, tokens] (advantages and `scale` per token, i.e. the row's value
+    broadcast). `scale` (default 1) weighs each token's loss in `objective`."""
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     weight = torch.exp(old_logp - rollout_logp).clamp(max=cfg.importance_cap).detach()
@@ -104,4 +112,5 @@ def grpo_token_loss(
         kl_sum=kl_sum,
         entropy_sum=entropy_sum,
         clipped_tokens=((clipped < unclipped).to(mask.dtype) * mask).sum().detach(),
+        objective=(total * mask * scale).sum() if scale is not None else (total * mask).sum(),
     )

@@ -1,5 +1,6 @@
 """The elastic hybrid pool at run time: a core train rank's lane to one hybrid replica
-(`CoreLane`), and the hybrid replica's side (`HybridFollower`, `run_hybrid_replica`).
+(`CoreLane`), the plan executor's handle on it (`LaneControl`), and the hybrid replica's side
+(`HybridFollower`, `run_hybrid_replica`; its process: `libra.training.hybrid_worker`).
 
 The core pool is its own torch.distributed world and is never rebuilt; the hybrid replica is a
 separate process with its own world, connected to its paired core rank by one TCP channel
@@ -35,12 +36,15 @@ layouts need; not implemented).
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from libra.planner.controls import HybridJoin
 from libra.planner.elastic import ElasticConfig, HybridPool, PayloadHeader, ReplicaState
 from libra.training.grad_channel import (
     Channel,
@@ -52,6 +56,9 @@ from libra.training.grad_channel import (
     tensor_to_bytes,
 )
 from libra.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from libra.training.engine import StepResult
 
 HYBRID_SHARE = (1, 2)
 CORE_SHARE = (0, 2)
@@ -168,6 +175,16 @@ class CoreLane:
         self._replica = replica
         self._activation_requested = self._release_requested = False
         return self._generation
+
+    def cancel_join(self, generation: int, reason: str) -> bool:
+        """Rolls back the join of `generation` now (its worker could not start). False when that
+        join is no longer the current one or has already ended."""
+        if self._replica is None or generation != self._generation:
+            return False
+        if self.state() in (ReplicaState.RELEASED, ReplicaState.ROLLED_BACK):
+            return False
+        self._roll_back(reason)
+        return True
 
     def request_activation(self) -> None:
         self._activation_requested = True
@@ -402,3 +419,40 @@ def run_hybrid_replica(engine, address: str, replica: int, generation: int, on_s
     finally:
         engine.peer = None
         channel.close()
+
+
+# -- the plan executor's handle on a lane ------------------------------------------------------
+
+
+class LaneControl:
+    """`HybridControl` (`libra.planner.controls`) over an in-process `CoreLane`, for a plan
+    executor running in another thread of the same process.
+
+    The executor's requests and the training loop's step boundaries are serialised by one lock:
+    `run_step` holds it across `begin_step` and the train step, so a join or release lands between
+    two steps, as the lane's protocol requires (a request waits at most one step). Where the core
+    rank is its own process, the same three requests travel as RPCs to it instead."""
+
+    def __init__(self, lane: CoreLane):
+        self.lane = lane
+        self._lock = threading.Lock()
+
+    def run_step(self, step: int, batch: Sequence[Trajectory]) -> tuple[ReplicaState | None, StepResult]:
+        """`begin_step` then the engine's train step, with no request in between. Returns the
+        replica's state during the step (after the boundary) and the step's result."""
+        with self._lock:
+            self.lane.begin_step(step, batch)
+            state = self.lane.state()
+            return state, self.lane.engine.train_step(batch)
+
+    def request_join(self, replica: int) -> HybridJoin:
+        with self._lock:
+            return HybridJoin(self.lane.request_join(replica), self.lane.address)
+
+    def cancel_join(self, replica: int, generation: int, reason: str) -> None:
+        with self._lock:
+            self.lane.cancel_join(generation, reason)
+
+    def request_release(self, replica: int) -> None:
+        with self._lock:
+            self.lane.request_release()

@@ -209,4 +209,3 @@ def build_gpt_model(
         rotary_base=arch.rope_theta,
     )
     return model.to(device)
-

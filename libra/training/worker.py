@@ -3,7 +3,8 @@
     python -m libra.training.worker --hf-model DIR --rank R --world-size W --master-port P \
         [--tensor-parallel T] [--pipeline-parallel P] [--training JSON] [--port 0] [--port-file F]
 
-One process hosts one Megatron rank. The controller calls every rank of the job with the same
+One process hosts one Megatron rank; global rank 0 also publishes the weights to rollout instances
+(`PublishWeights`, `libra.sync.trainer_publisher`). The controller calls every rank of the job with the same
 requests in the same order; a lock serialises calls inside a rank, because the engine's
 collectives must line up across ranks. Trajectories are converted from proto once, here.
 The bearer token comes from LIBRA_TOKEN.
@@ -14,12 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import threading
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 from libra.control.convert import InvalidArgument
 from libra.control.server import rpc_errors
+from libra.sync.config import SyncConfig
+from libra.sync.layouts import ModelShape
+from libra.sync.trainer_publisher import SourceRank, TrainerPublisher
 from libra.training.config import GrpoConfig, TrainingConfig
 from libra.trajectory import TOOL_TOKEN_VERSION, Trajectory
 
@@ -77,9 +83,27 @@ def training_config_from_json(text: str, **parallel: int) -> TrainingConfig:
     return TrainingConfig(**raw, **parallel, grpo=GrpoConfig(**grpo))
 
 
+def model_shape(arch) -> ModelShape:
+    """The resharding planner's view of a `ModelArchitecture`."""
+    return ModelShape(
+        hidden_size=arch.hidden_size,
+        num_layers=arch.num_layers,
+        num_heads=arch.num_attention_heads,
+        num_kv_heads=arch.num_query_groups,
+        head_dim=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        vocab_size=arch.vocab_size,
+        tie_embeddings=arch.tie_word_embeddings,
+        qkv_bias=arch.qkv_bias,
+        qk_norm=arch.qk_norm,
+    )
+
+
 class TrainRankServicer:
-    def __init__(self, engine):
+    def __init__(self, engine, publisher: TrainerPublisher | None = None):
+        """`publisher`: this rank's side of weight publication (PublishWeights)."""
         self.engine = engine
+        self.publisher = publisher
         self._lock = threading.Lock()
 
     def _trajectories(self, request) -> list[Trajectory]:
@@ -152,6 +176,39 @@ class TrainRankServicer:
         tensors = self._run(self.engine.export_hf)
         return training_pb2.ExportWeightsReply(version=self.engine.version, safetensors=save(tensors))
 
+    @rpc_errors
+    def PublishWeights(self, request, context):
+        from libra.sync.wire import load_request_to_proto
+        from libra.v1 import training_pb2
+
+        if self.publisher is None:
+            raise RuntimeError("this train rank was started without a weight publisher")
+        if not request.tp_sizes:
+            raise InvalidArgument("tp_sizes must not be empty")
+        if request.version != self.engine.version:
+            raise InvalidArgument(
+                f"version {request.version} is not the trainer's version {self.engine.version}"
+            )
+
+        def publish():
+            params = dict(self.engine.model.named_parameters())
+            return self.publisher.publish(
+                request.version, list(request.tp_sizes), params, list(request.release_versions)
+            )
+
+        published = self._run(publish)
+        return training_pb2.PublishWeightsReply(
+            version=published.version,
+            publisher=bool(published.loads),
+            loads=[load_request_to_proto(published.loads[k]) for k in sorted(published.loads)],
+            gather_seconds=published.gather_seconds,
+            publish_seconds=published.publish_seconds,
+        )
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
@@ -165,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--pipeline-parallel", type=int, default=1)
     parser.add_argument("--training", default="", help="JSON object of TrainingConfig fields")
+    parser.add_argument("--sync", default="", help="JSON object of SyncConfig fields (weight publication)")
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -181,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     from libra.control.server import start_server
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
-    from libra.training.model import ModelArchitecture
+    from libra.training.model import VOCAB_DIVISIBLE_BY, ModelArchitecture
     from libra.training.parallel import initialize
     from libra.v1 import training_pb2, training_pb2_grpc
 
@@ -205,7 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.get("LIBRA_TOKEN")
     if not token:
         raise SystemExit("LIBRA_TOKEN must be set")
-    servicer = TrainRankServicer(engine)
+    sync = SyncConfig(**(json.loads(args.sync) if args.sync else {}))
+    source = SourceRank(info.rank, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.dp_rank)
+    # The trainer's own vocab padding, which decides the source layout the plans strip.
+    publisher = TrainerPublisher(model_shape(arch), source, sync, VOCAB_DIVISIBLE_BY)
+    servicer = TrainRankServicer(engine, publisher)
 
     def add(server):
         training_pb2_grpc.add_TrainRankServicer_to_server(servicer, server)
@@ -217,7 +279,14 @@ def main(argv: list[str] | None = None) -> None:
         tmp.write_text(str(running.port))
         tmp.rename(args.port_file)
     print(f"train rank {args.rank} serving on {args.host}:{running.port}", flush=True)
-    running.server.wait_for_termination()
+    # SIGTERM (the node agent stopping the worker) unwinds through `finally`, so the published
+    # shared-memory buffers are unlinked instead of outliving the run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        running.server.wait_for_termination()
+    finally:
+        servicer.close()
+        running.stop(grace_s=1.0)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
     python ehp_job.py static SPEC_JSON   one rank of a static DP=2 job (rank from the spec)
     python ehp_job.py core SPEC_JSON     the core replica (DP=1), driving hybrid joins
     python ehp_job.py hybrid SPEC_JSON   a hybrid replica process (started by the core)
+    python ehp_job.py core_agent SPEC_JSON  the core replica with a controller and a node agent:
+                                         the plan executor moves a device from rollout to a hybrid
+                                         replica (`libra.training.hybrid_worker`), which is then
+                                         killed through the agent, and gives it back to rollout
 
 Every job trains the same tiny Qwen2 (tied embeddings) on the same batch per step, 12
 trajectories, two mini-batches per step. Results go to `result_<mode>.pt` in the spec's out_dir.
@@ -29,21 +33,10 @@ def batch_for_step(step: int):
     return batch
 
 
-def build_engine(spec: dict, rank: int, world_size: int, port: int):
-    from libra.backends import get_backend
-
-    get_backend("cpu").prepare_worker()
-    from transformers import AutoConfig
-
+def training_config(world_size: int):
     from libra.training.config import GrpoConfig, TrainingConfig
-    from libra.training.engine import TrainEngine
-    from libra.training.hf_weights import hf_tensor_reader
-    from libra.training.model import ModelArchitecture
-    from libra.training.parallel import initialize
 
-    info = initialize(1, 1, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
-    cfg = TrainingConfig(
+    return TrainingConfig(
         data_parallel=world_size,
         lr=1e-3,
         adam_eps=1e-6,
@@ -53,7 +46,22 @@ def build_engine(spec: dict, rank: int, world_size: int, port: int):
         train_batch_size=12,
         grpo=GrpoConfig(clip_high=0.28, kl_coef=0.05, entropy_coef=0.01),
     )
-    engine = TrainEngine(arch, cfg, info)
+
+
+def build_engine(spec: dict, rank: int, world_size: int, port: int):
+    from libra.backends import get_backend
+
+    get_backend("cpu").prepare_worker()
+    from transformers import AutoConfig
+
+    from libra.training.engine import TrainEngine
+    from libra.training.hf_weights import hf_tensor_reader
+    from libra.training.model import ModelArchitecture
+    from libra.training.parallel import initialize
+
+    info = initialize(1, 1, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
+    engine = TrainEngine(arch, training_config(world_size), info)
     engine.load_hf(hf_tensor_reader(spec["model"]))
     return engine
 
@@ -207,5 +215,8 @@ def run_hybrid(spec: dict) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(_REPO))
+    from tests.elastic.agent_run import run_core_agent
+
     mode, spec_json = sys.argv[1], sys.argv[2]
-    {"static": run_static, "core": run_core, "hybrid": run_hybrid}[mode](json.loads(spec_json))
+    runners = {"static": run_static, "core": run_core, "hybrid": run_hybrid, "core_agent": run_core_agent}
+    runners[mode](json.loads(spec_json))

@@ -2,7 +2,10 @@
 replica joins mid-run, fetches the state over the side channel, replays in ZERO_SYNC, activates
 and trains its DP share; in its 3rd active step it dies after announcing its gradient. The core
 rolls it back, computes the hybrid's share of that step itself, and goes on; a second join then
-activates and is released. A static DP=2 job on the same batches is the reference.
+activates and is released. A second core run does the same through the control plane
+(`agent_run.py`): the plan executor moves a device from a rollout instance to a hybrid replica
+started by a node agent (`libra.training.hybrid_worker`), which is then killed through that agent.
+A static DP=2 job on the same batches is the reference of both.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ _REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.multiprocess,
+    # Two elastic runs and a static DP=2 run in the module fixture: minutes on a busy 2-core machine.
+    pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
 
@@ -80,7 +85,25 @@ def runs(tmp_path_factory):
         ],
     }
     _wait({"core": _run("core", core, elastic_dir, "core")}, elastic_dir)
-    num_steps = len(torch.load(elastic_dir / "result_core.pt")["losses"])
+    agent_dir = root / "agent"
+    agent_dir.mkdir()
+    core_agent = {
+        "model": model,
+        "max_steps": MAX_STEPS,
+        "min_step_s": 0.2,
+        "first_join_step": 1,
+        "zero_sync_steps": 2,
+        "kill_after": 2,
+        "tail_steps": 3,
+        "out_dir": str(agent_dir),
+        "port": free_port(),
+    }
+    _wait({"core_agent": _run("core_agent", core_agent, agent_dir, "core_agent")}, agent_dir)
+    # One static run serves both: every step's batch depends on the step only.
+    num_steps = max(
+        len(torch.load(d / f"result_{m}.pt")["losses"])
+        for d, m in ((elastic_dir, "core"), (agent_dir, "core_agent"))
+    )
     static = {"model": model, "steps": num_steps, "out_dir": str(static_dir), "port": free_port()}
     _wait(
         {f"static{r}": _run("static", {**static, "rank": r}, static_dir, f"static{r}") for r in range(2)},
@@ -90,6 +113,7 @@ def runs(tmp_path_factory):
         "static": torch.load(static_dir / "result_static.pt"),
         "core": torch.load(elastic_dir / "result_core.pt"),
         "hybrid_gen2": torch.load(elastic_dir / "result_hybrid_gen2.pt"),
+        "core_agent": torch.load(agent_dir / "result_core_agent.pt"),
         "dir": elastic_dir,
     }
 
@@ -115,7 +139,7 @@ def test_losses_equal_static_two_replica_dp(runs):
     for i in active:
         # Hybrid rows (old and reference logprobs) and gradients were really added that step.
         assert core["payloads"][i] >= 2, (i, core["payloads"])
-    for i, (a, b) in enumerate(zip(core["losses"], static, strict=True)):
+    for i, (a, b) in enumerate(zip(core["losses"], static[: len(core["losses"])], strict=True)):
         assert abs(a - b) <= TOL, (i, core["states"][i], a, b)
     # The runs train: the losses move.
     assert max(static) - min(static) > 1e-3
@@ -127,7 +151,7 @@ def test_killed_hybrid_step_completes_on_the_core(runs):
     step = core["events"][killed[0]][0]
     assert core["states"][step] == "ACTIVE"  # it died inside an active step ...
     assert core["states"][step + 1] == "ROLLED_BACK"  # ... and the next step ran without it
-    assert len(core["losses"]) == len(runs["static"]["losses"])  # no step lost
+    assert len(core["losses"]) > step + 1  # training went on after the failed step
     assert abs(core["losses"][step] - runs["static"]["losses"][step]) <= TOL
 
 
@@ -157,3 +181,41 @@ def test_core_step_times_do_not_grow_while_joining(runs):
     )
     assert len(before) >= 2 and len(joining) >= 3
     assert statistics.median(joining) <= 1.5 * statistics.median(before)
+
+
+def test_hybrid_launched_through_a_node_agent_and_killed_there(runs):
+    """The plan executor moves device 1 from a rollout instance to hybrid replica 1 (started as
+    `python -m libra.training.hybrid_worker` by StartWorker), the replica joins the core's lane and
+    trains; StopWorker kills it in an active step; the core rolls it back and goes on; the next
+    plan gives device 1 back to rollout."""
+    run = runs["core_agent"]
+    static = runs["static"]["losses"]
+    print("events:", run["events"])
+    for version, ok, lines in run["reports"]:
+        print(f"plan v{version}:", lines)
+        assert ok, lines
+    assert [v for v, _, _ in run["reports"]] == [1, 2, 3]
+    states = run["states"]
+    for phase in ("REQUESTED", "ZERO_SYNC", "ACTIVE"):
+        assert phase in states, phase
+    kill_step = next(step for step, what in run["events"] if what.startswith("kill"))
+    assert states[kill_step] == "ACTIVE" and states[kill_step + 1] == "ROLLED_BACK"
+    assert len(run["rollbacks"]) == 1 and "PeerLost" in run["rollbacks"][0]
+    assert all(s == "ROLLED_BACK" for s in states[kill_step + 1 :])
+    # Active steps before the kill really added the hybrid's rows and gradients.
+    for i in range(states.index("ACTIVE"), kill_step):
+        assert run["payloads"][i] >= 2, (i, run["payloads"])
+    # Every step, including the one the hybrid died in, equals the static DP=2 run: none was lost.
+    for i, (a, b) in enumerate(zip(run["losses"], static[: len(run["losses"])], strict=True)):
+        assert abs(a - b) <= TOL, (i, states[i], a, b)
+    # Device 1 changed hands in order: rollout -> hybrid (killed by the agent) -> rollout again.
+    hybrid = next(w for w in run["workers"] if w.startswith("hybrid-1-g1"))
+    assert run["workers"][hybrid] == ((1,), "STOPPED", -15)
+    sequence = [(kind, worker.split("-")[0]) for kind, worker, _ in run["device_events"]]
+    assert sequence == [
+        ("WORKER_STARTED", "rollout"),
+        ("WORKER_STOPPED", "rollout"),
+        ("WORKER_STARTED", "hybrid"),
+        ("WORKER_STOPPED", "hybrid"),
+        ("WORKER_STARTED", "rollout"),
+    ]

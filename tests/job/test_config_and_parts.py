@@ -39,7 +39,15 @@ def test_unknown_router_lists_the_allowed_values():
 
 def test_config_file_and_overrides():
     config, job = load_job_config(
-        CONFIG, ["job.num_steps=3", "run_dir=/tmp/x", "rollout.agent.temperature=0.5", "training.lr=0.01"]
+        CONFIG,
+        [
+            "job.num_steps=3",
+            "run_dir=/tmp/x",
+            # The trainer scores under the sampling temperature (LibraConfig checks they agree).
+            "rollout.agent.temperature=0.5",
+            "training.grpo.temperature=0.5",
+            "training.lr=0.01",
+        ],
     )
     assert (config.run_dir, job.num_steps, config.rollout.agent.temperature, config.training.lr) == (
         "/tmp/x",
@@ -102,7 +110,8 @@ def test_report_from_run_folder(tmp_path):
                 mean_turns=2.0,
                 mean_staleness=0.5,
                 logprob_abs_diff=1e-6,
-                num_current_tokens=100,
+                logprob_max_abs_diff=1e-6 * step,
+                num_current_tokens=100 if step > 1 else 0,
             )
         )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -116,6 +125,7 @@ def test_report_from_run_folder(tmp_path):
     report = write_report(tmp_path).read_text()
     assert "first 5 steps: 0.300; last 5 steps: 0.400" in report
     assert "instance_lost" in report and report.count("\n| ") == 6 + 2
+    assert "logprob gap over 5 steps (500 tokens): mean 1.0e-06, max 6.0e-06" in report
     for name in ("reward", "throughput", "occupancy"):
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 1000
 

@@ -105,10 +105,13 @@ def brute_force_training(problem: PlanningProblem) -> list[tuple[TrainingConfig,
     return found
 
 
-def brute_force_rollout(problem: PlanningProblem, max_devices: int) -> list[float]:
+def brute_force_rollout(
+    problem: PlanningProblem, max_devices: int, rollout_devices: int | None = None
+) -> list[float]:
     """best[n] = least rollout makespan over every multiset of instances with total size <= n and
-    every assignment of consecutive ranges of the sorted history to its TP sizes."""
-    space = build_rollout_space(problem, DEFAULT_ROLLOUT_FACTORS)
+    every assignment of consecutive ranges of the sorted history to its TP sizes (batches bounded
+    by the in-flight trajectories over `rollout_devices`, as the search's space of that size)."""
+    space = build_rollout_space(problem, DEFAULT_ROLLOUT_FACTORS, rollout_devices)
     sizes = space.tp_sizes
     cuts = [int(b) for b in space.boundaries]
     r = len(space.outputs)
@@ -133,9 +136,9 @@ def brute_force_rollout(problem: PlanningProblem, max_devices: int) -> list[floa
     return best
 
 
-def brute_force_optimum(problem: PlanningProblem) -> float:
+def brute_force_optimum(problem: PlanningProblem, rollout_devices: int | None = None) -> float:
     training = brute_force_training(problem)
-    rollout = brute_force_rollout(problem, problem.cluster.num_devices)
+    rollout = brute_force_rollout(problem, problem.cluster.num_devices, rollout_devices)
     return min(
         (max(step, rollout[problem.cluster.num_devices - cfg.num_devices]) for cfg, step in training),
         default=math.inf,

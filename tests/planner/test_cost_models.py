@@ -73,8 +73,32 @@ def test_tail_latency_and_fit():
     inst = cost.instance_profile(2, history)
     prefill = cost.prefill(2, 1000).seconds(cost.factors)
     assert latency[0] == pytest.approx(prefill + 2000 * inst.tail_step_s + 3.0)
-    assert work[0] == pytest.approx(prefill + 2000 / inst.throughput_tokens_per_s)
+    # Its work is priced at its own context (1,000 + 2,000 / 2), not at the history's mean (which
+    # the ten-million-token request would blow up): an instance full of sequences like it runs
+    # B = min(max batch, capacity / context) of them, and each token costs step(B) / B.
+    context = 1000 + 2000 / 2
+    full = min(PlannerConfig().max_decode_batch, cost.token_capacity(2) / context)
+    share = cost.decode_step(2, full, context).seconds(cost.factors) / full
+    assert work[0] == pytest.approx(prefill + 2000 * share)
     assert latency[1] == float("inf")  # ten million tokens fit no instance
+
+
+def test_in_flight_trajectories_bound_the_batch():
+    """With few trajectories decoding per device, batches are small and a token costs more."""
+    cost = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(), EfficiencyFactors())
+    history = tuple(RequestRecord(1000, 2000, tool_time_s=30.0) for _ in range(8))
+    decoding = cost.decoding_per_device(4, history, in_flight=64, rollout_devices=16)
+    # The fixed point: the decoding share of 64 trajectories, given the step at their batch.
+    batch = 4 * decoding
+    step = cost.decode_step(4, batch, 2000).seconds(cost.factors)
+    decode_s = 2000 * step
+    prefill_s = cost.prefill(4, 1000).seconds(cost.factors)
+    assert decoding == pytest.approx(64 * decode_s / (decode_s + 30.0 + prefill_s) / 16, rel=1e-5)
+    work_free, _ = cost.request_costs(4, history)
+    work_bound, _ = cost.request_costs(4, history, decoding)
+    share = step / batch
+    assert work_bound[0] == pytest.approx(prefill_s + 2000 * share)
+    assert work_bound[0] > work_free[0]
 
 
 def simulate_1f1b(stages: int, micro_batches: int, forward_s: float, backward_s: float) -> float:

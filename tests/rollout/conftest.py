@@ -135,7 +135,7 @@ class RolloutCluster:
     agent_instance: AgentStartedInstance
 
 
-def _start_controller_and_agent(run_dir: Path) -> tuple[Controller, subprocess.Popen, str]:
+def start_controller_and_agent(run_dir: Path) -> tuple[Controller, subprocess.Popen, str]:
     config = LibraConfig(
         run_dir=str(run_dir / "controller"),
         control=ControlConfig(port=0, token=TOKEN, heartbeat_interval_s=2.0),  # a busy box delays beats
@@ -163,7 +163,7 @@ def rollout_cluster(model_dirs, tmp_path_factory) -> RolloutCluster:
     spawned = [spawn_instance(model_dirs.scripted, run_dir, f"instance{i}", device=i) for i in range(2)]
     controller, agent = None, None
     try:
-        controller, agent, agent_id = _start_controller_and_agent(run_dir)
+        controller, agent, agent_id = start_controller_and_agent(run_dir)
         address_file = run_dir / "agent-instance.addr"
         spec = WorkerSpec(
             worker_id="rollout-2",

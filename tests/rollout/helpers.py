@@ -63,10 +63,11 @@ class PlannedRouter:
         pass
 
 
-async def make_pool(router, addresses: Sequence[str]) -> InstancePool:
+async def make_pool(router, addresses: Sequence[str], worker_ids: Sequence[str] = ()) -> InstancePool:
+    """Instance i at addresses[i], started as control-plane worker worker_ids[i] when given."""
     pool = InstancePool(router, TOKEN, CmlfqConfig())
     for instance_id, address in enumerate(addresses):
-        await pool.add(instance_id, address)
+        await pool.add(instance_id, address, worker_id=worker_ids[instance_id] if worker_ids else "")
     return pool
 
 

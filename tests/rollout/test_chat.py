@@ -4,6 +4,8 @@ message for the model), and tool results that cannot forge chat markup."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from libra.rollout.chat import ChatFormat, ToolCallError
 from libra.rollout.tools import Calculator, ToolCall
@@ -89,3 +91,31 @@ def test_rejects_a_tokenizer_without_the_markers():
 
     with pytest.raises(ValueError, match="lacks the special tokens"):
         ChatFormat(Bare())
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.text(max_size=12),
+            st.sampled_from(
+                ["<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>", "\n", "  ", "é€😀"]
+            ),
+        ),
+        max_size=8,
+    )
+)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_tool_result_tokens_match_the_hf_tokenizer_call(chat, tokenizer, parts):
+    """The backend fast path tokenizes tool output exactly as the HF call with
+    split_special_tokens does (the reference), and leaves the tokenizer as it found it."""
+    content = "".join(parts)
+    reference = tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    result = chat.tool_result_ids(content)
+    markup = chat.tool_result_ids("")  # the result prefix, then the suffix
+    head = len(markup) - len(chat._result_suffix)
+    assert (
+        result[:head] == markup[:head] and result[len(result) - len(chat._result_suffix) :] == markup[head:]
+    )
+    body = result[head : len(result) - len(chat._result_suffix)]
+    assert body == reference
+    assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [chat.eos_id]  # markup unaffected

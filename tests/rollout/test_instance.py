@@ -4,6 +4,7 @@ with requests in flight, abort, stats, auth and request validation."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 import pytest
@@ -160,3 +161,182 @@ def test_refuses_bad_requests_and_missing_tokens(instances):
             await stranger.close()
 
     run(scenario())
+
+
+# -- weight versions (libra.sync through LoadWeights) ------------------------------------------
+
+
+def _publisher_and_weights(model_dir):
+    """A TP=PP=1 trainer-side publisher over shared memory, and the model's HF weights perturbed
+    (known weights that greedy decoding can tell apart from the checkpoint's)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from libra.sync import SyncConfig
+    from libra.sync.trainer_publisher import SourceRank, TrainerPublisher
+    from libra.training.model import VOCAB_DIVISIBLE_BY, ModelArchitecture
+    from libra.training.worker import model_shape
+
+    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    original = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(3)
+    perturbed = {
+        name: tensor * (1 + 0.3 * torch.randn(tensor.shape, generator=generator))
+        for name, tensor in original.items()
+    }
+    # Small buckets, so that a manifest has several.
+    publisher = TrainerPublisher(
+        model_shape(arch), SourceRank(0, 0, 1, 0, 1, 0), SyncConfig(bucket_bytes=64 << 10), VOCAB_DIVISIBLE_BY
+    )
+    return arch, publisher, original, perturbed
+
+
+def _megatron_params(hf, arch):
+    from libra.training.hf_weights import hf_to_megatron
+
+    return hf_to_megatron(hf.__getitem__, arch, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+
+
+def _assert_engine_holds(got, hf, arch):
+    """The engine computes with exactly `hf` as vLLM shards it (an independent reference slicing),
+    including the packed copies that CPU GEMMs compute with."""
+    import torch
+
+    from libra.training.worker import model_shape
+    from tests.sync.reference_reshard import hf_to_vllm
+
+    expected = hf_to_vllm(hf, model_shape(arch), 1)[0]
+    for name in [n for n in got if n.endswith("@packed")]:
+        # A tied LM head computes with a packed copy of the embedding.
+        expected[name] = expected.get(name.removesuffix("@packed"), expected["model.embed_tokens.weight"])
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name].view(torch.int32), tensor.contiguous().view(torch.int32)), name
+
+
+def test_load_weights_switches_versions_never_half_loaded(instances, model_dirs):
+    """A published version over shared memory: corrupted handles and manifests are refused (the
+    instance stays on its version and keeps generating), the retry loads it bit for bit, greedy
+    output follows transformers on those weights, and a request in flight is preempted with its
+    tokens tagged by the old version. Then the original weights go back (the session instance
+    serves later tests)."""
+    import dataclasses
+
+    from libra.sync.load_request import RankLoad
+    from libra.sync.transport import BucketDigest
+    from tests.sync.hf_reference import NUM_NEW_TOKENS, assert_greedy_under_hf, hf_model
+
+    arch, publisher, original, perturbed = _publisher_and_weights(model_dirs.scripted)
+    prompts = [[5, 17, 250, 3, 99], [42] * 7, list(range(100, 130))]
+    greedy = SamplingSpec(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    ids = itertools.count()
+
+    async def generate_all(client):
+        segments = await asyncio.gather(*(client.generate(f"w-{next(ids)}", p, greedy) for p in prompts))
+        return [s.token_ids for s in segments]
+
+    async def scenario():
+        client = InstanceClient(instances[0].address, TOKEN)
+        try:
+            start = (await client.stats()).weight_version
+            before_params, before_greedy = (await client.read_weights())[0], await generate_all(client)
+            version = start + 1
+            request = publisher.publish(version, [1], _megatron_params(perturbed, arch)).loads[1]
+            rank = request.ranks[0]
+
+            refused = []
+            gone = dataclasses.replace(rank, handle={"kind": "shm", "path": "/dev/shm/libra-no-such-buffer"})
+            bad_sum = BucketDigest(rank.manifest.buckets[1].start, rank.manifest.buckets[1].end, 12345)
+            stale = RankLoad(
+                dataclasses.replace(
+                    rank.manifest, buckets=(rank.manifest.buckets[0], bad_sum, *rank.manifest.buckets[2:])
+                ),
+                rank.handle,
+            )
+            for broken in (gone, stale):
+                result = await client.load_weights(dataclasses.replace(request, ranks=(broken,)))
+                refused.append(result)
+                assert (await client.stats()).weight_version == start
+                assert await generate_all(client) == before_greedy
+            unchanged = (await client.read_weights())[0]
+
+            generated = (await client.stats()).num_generated_tokens
+            in_flight = asyncio.create_task(
+                client.generate("in-flight", prompts[2], _long_sampling(400), chunk_tokens=1)
+            )
+            while (await client.stats()).num_generated_tokens < generated + 4:
+                await asyncio.sleep(0.005)
+            loaded = await client.load_weights(request)
+            preempted = await in_flight
+            after_params, after_greedy = (await client.read_weights())[0], await generate_all(client)
+            stats_version = (await client.stats()).weight_version
+
+            restore = publisher.publish(version + 1, [1], _megatron_params(original, arch)).loads[1]
+            restored = await client.load_weights(restore)
+            return dict(
+                start=start, before_params=before_params, before_greedy=before_greedy, refused=refused,
+                unchanged=unchanged, loaded=loaded, preempted=preempted, after_params=after_params,
+                after_greedy=after_greedy, stats_version=stats_version, restored=restored,
+                restored_params=(await client.read_weights())[0], restored_greedy=await generate_all(client),
+            )  # fmt: skip
+        finally:
+            await client.close()
+            publisher.close()
+
+    r = run(scenario())
+    start, version = r["start"], r["start"] + 1
+    gone, stale = r["refused"]
+    assert not gone.ok and "is gone" in gone.error and gone.version == start, gone
+    assert not stale.ok and "incomplete or stale" in stale.error and stale.version == start, stale
+    assert all(torch_equal(r["unchanged"][n], t) for n, t in r["before_params"].items())
+
+    loaded = r["loaded"]
+    assert loaded.ok and loaded.version == version == r["stats_version"], loaded
+    assert loaded.num_preempted == 1 and loaded.commit_seconds > 0 and loaded.seconds >= loaded.commit_seconds
+    preempted = r["preempted"]
+    assert preempted.finish_reason == FinishReason.PREEMPTED
+    assert {c.weight_version for c in preempted.chunks} == {start}
+    _assert_engine_holds(r["after_params"], perturbed, arch)
+    assert r["after_greedy"] != r["before_greedy"], "the perturbation did not change greedy output"
+    ties = assert_greedy_under_hf(hf_model(model_dirs.scripted, perturbed), prompts, r["after_greedy"])
+    assert ties <= 2, f"{ties} near-ties: the comparison says little"
+
+    assert r["restored"].ok and r["restored"].version == version + 1
+    assert all(torch_equal(r["restored_params"][n], t) for n, t in r["before_params"].items())
+    assert r["restored_greedy"] == r["before_greedy"]
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_malformed_load_requests_name_the_field():
+    from libra.control.convert import InvalidArgument
+    from libra.rollout import convert
+    from libra.v1 import rollout_pb2, weights_pb2
+
+    with pytest.raises(InvalidArgument, match="load must be set"):
+        convert.load_request_from_proto(rollout_pb2.LoadWeightsRequest())
+    manifest = weights_pb2.BufferManifest(
+        version=3, key="tp1/rank0", dtype="float32", num_bytes=16,
+        buckets=[weights_pb2.BucketDigest(start=0, end=8, checksum=1)],
+    )  # fmt: skip
+    rank = weights_pb2.RankLoad(manifest=manifest, handle=weights_pb2.TransportHandle(shm={"path": "/x"}))
+    with pytest.raises(InvalidArgument, match=r"ranks\[0\]\.manifest: .*buckets cover 8 of 16"):
+        convert.load_request_from_proto(
+            rollout_pb2.LoadWeightsRequest(load=weights_pb2.VersionLoad(version=3, ranks=[rank]))
+        )
+    manifest.buckets[0].end = 16
+    with pytest.raises(InvalidArgument, match=r"ranks\[0\]\.handle: no transport"):
+        convert.load_request_from_proto(
+            rollout_pb2.LoadWeightsRequest(
+                load=weights_pb2.VersionLoad(version=3, ranks=[weights_pb2.RankLoad(manifest=manifest)])
+            )
+        )
+    with pytest.raises(InvalidArgument, match="ranks must not be empty"):
+        convert.load_request_from_proto(
+            rollout_pb2.LoadWeightsRequest(load=weights_pb2.VersionLoad(version=3))
+        )

@@ -88,4 +88,3 @@ def test_cli_builds_a_qwen2_model_that_loads_offline(tmp_path):
 def test_spec_validation_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TinyModelSpec(**kwargs)
-

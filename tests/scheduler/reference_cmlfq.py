@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from libra.scheduler.config import CmlfqConfig
 from libra.scheduler.interface import Decision, Reason
@@ -83,6 +84,7 @@ class Instance:
     bucket: int
     ready: bool
     active: int = 0
+    weight: int = 1
 
 
 def clamp(tokens: int) -> int:
@@ -189,9 +191,9 @@ class ReferenceCmlfq:
 
     # Instances and placement.
 
-    def add_instance(self, instance_id: int, bucket: int, ready: bool = True) -> None:
+    def add_instance(self, instance_id: int, bucket: int, ready: bool = True, weight: int = 1) -> None:
         assert instance_id not in self.instances
-        self.instances[instance_id] = Instance(bucket, ready)
+        self.instances[instance_id] = Instance(bucket, ready, weight=weight)
 
     def remove_instance(self, instance_id: int) -> list[str]:
         del self.instances[instance_id]
@@ -204,6 +206,33 @@ class ReferenceCmlfq:
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         self.instances[instance_id].ready = ready
+
+    def update_buckets(self, buckets, instance_buckets: dict[int, int]) -> list[Decision]:
+        """New thresholds and instance buckets; then each live trajectory, in id order, takes its
+        instance's new bucket, or moves where its path's mean and P90 now agree."""
+        assert sorted(instance_buckets) == sorted(self.instances)
+        self.thresholds = [b.max_remaining_tokens for b in buckets]
+        last = len(self.thresholds) - 1
+        for instance_id, bucket in instance_buckets.items():
+            self.instances[instance_id].bucket = bucket
+        moved = []
+        for trajectory_id in sorted(self.live):
+            live = self.live[trajectory_id]
+            placed = live.instance is not None
+            live.bucket = self.instances[live.instance].bucket if placed else min(live.bucket, last)
+            prediction = self.predict(live.prompt, live.path) if live.path else None
+            if prediction is None:
+                continue
+            _, _, count, total, p90 = prediction
+            target = self.bucket_for_mean(count, total)
+            if target != self.bucket_for(p90) or target == live.bucket:
+                continue
+            if not placed:
+                live.bucket = target
+                continue
+            reason = Reason.MIGRATE_UP if target > live.bucket else Reason.MIGRATE_DOWN
+            moved.append(self.move(trajectory_id, target, reason))
+        return moved
 
     def move(self, trajectory_id: str, bucket: int, reason: Reason) -> Decision:
         live = self.live[trajectory_id]
@@ -219,11 +248,11 @@ class ReferenceCmlfq:
     def place(self, bucket: int, previous: int | None) -> tuple[int, int | None, Reason | None]:
         def least_loaded(buckets: set[int], capped: bool) -> int | None:
             candidates = [
-                (instance.active, instance_id != previous, instance_id)
+                (Fraction(instance.active, instance.weight), instance_id != previous, instance_id)
                 for instance_id, instance in self.instances.items()
                 if instance.ready
                 and instance.bucket in buckets
-                and (not capped or instance.active < self.config.max_queue_length)
+                and (not capped or instance.active < self.config.max_queue_length * instance.weight)
             ]
             return min(candidates)[2] if candidates else None
 

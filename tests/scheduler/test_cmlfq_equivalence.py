@@ -8,6 +8,8 @@ Every decision must match in bucket, instance, reason and migrated; predictions 
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,7 +49,7 @@ KINDS = (
     + ["tool"] * 10
     + ["finish"] * 3
     + ["add"] * 2
-    + ["abort", "reroute", "lose", "ready", "rebuild"]
+    + ["abort", "reroute", "lose", "ready", "rebuild", "update"]
 )
 ops = st.tuples(st.sampled_from(KINDS), st.integers(0, 50), st.integers(0, 600), st.booleans())
 traces = st.lists(ops, min_size=20, max_size=200)
@@ -97,7 +99,8 @@ class Twin:
             else:
                 self.both("reroute", trajectory)
         elif kind == "add":
-            self.both("add_instance", self.next_instance, index % self.num_buckets, flag)
+            weight = 1 + tokens % 3  # equal instances most of the time, some two or three times larger
+            self.both("add_instance", self.next_instance, index % self.num_buckets, flag, weight)
             self.instances.append(self.next_instance)
             self.next_instance += 1
         elif kind in ("lose", "ready") and self.instances:
@@ -110,6 +113,20 @@ class Twin:
                     self.both("reroute", trajectory)
         elif kind == "rebuild":
             self.both("rebuild")
+        elif kind == "update":
+            self.update_buckets(index, tokens)
+
+    def update_buckets(self, index: int, tokens: int) -> None:
+        """A re-plan: 1-4 new buckets with thresholds around the token counts traces generate,
+        and every instance relabelled (drawn from `index` and `tokens`, so a trace replays)."""
+        rng = random.Random(index * 1000 + tokens)
+        num_buckets = rng.randint(1, 4)
+        thresholds = sorted(rng.sample(range(1, 1500), num_buckets))
+        buckets = tuple(BucketConfig(f"u{i}", 2**i, t) for i, t in enumerate(thresholds))
+        mapping = {instance: rng.randrange(num_buckets) for instance in self.instances}
+        self.both("update_buckets", buckets, mapping)
+        self.num_buckets = num_buckets
+        assert self.native.thresholds == thresholds
 
     def check_model(self) -> None:
         paths = [[]] + [path[:n] for _, path, _ in self.reference.history for n in range(1, len(path) + 1)]

@@ -6,9 +6,12 @@ from libra.planner.config import PlannerConfig
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS
 from libra.scheduler.baselines import LeastLoadRouter
-from libra.scheduler.config import CmlfqConfig
+from libra.scheduler.cmlfq import CmlfqRouter
+from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.tool_state import ToolReturnState
 from libra.sim.engine import RolloutCluster
 from libra.sim.instance import DecodeCoefficients
+from libra.trajectory import ToolStatus
 from tests.sim.helpers import tiny_config, trace
 
 
@@ -111,3 +114,37 @@ def test_removing_an_instance_cuts_and_resumes_turns():
     assert sorted(t.trajectory_id for t in done) == ["t0", "t1", "t2", "t3"]
     assert cluster.num_migrations >= 1  # the cut ones re-prefilled on instance 1
     assert sum(i.decoded_tokens for i in cluster.all_instances()) == pytest.approx(800, rel=1e-6)
+
+
+def test_bucket_update_moves_a_running_turn_and_keeps_its_tokens():
+    """A re-plan relabels buckets: the router moves a trajectory whose path now points to the
+    other bucket; its turn in flight is cut on the old instance and resumes on the new one with
+    the tokens it had, and it finishes exactly once."""
+    config = tiny_config()
+    cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS)
+    cmlfq = CmlfqConfig(
+        buckets=(BucketConfig("a", 1, 1000), BucketConfig("b", 2, 100000)), max_queue_length=100
+    )
+    router = CmlfqRouter(cmlfq)
+    cluster = RolloutCluster(router, cmlfq, cost, max_batch=256)
+    cluster.add_instance("i0", 1, 0, (0,), ready_at=0.0)
+    cluster.add_instance("i1", 1, 1, (1,), ready_at=0.0)
+    # Teach the router: after this tool return, 500 output tokens remain.
+    state = ToolReturnState.of("tool", ToolStatus.FAILURE, 20, cmlfq)
+    for n in range(3):
+        router.admit(f"learned{n}", "p0")
+        router.on_tool_return(f"learned{n}", state, 100)
+        router.on_finish(f"learned{n}", 600)
+    done = []
+    cluster.on_finish = done.append
+    traj = cluster.start(trace("a", [100, 500], prompt=10, tool_latency=0.5))
+    second_turn_starts = prefill(cost, 10) + 100 * step(cost, 1, 10) + 0.5
+    middle = second_turn_starts + 250 * step(cost, 1, 300)
+    cluster.schedule(middle, lambda: None)  # an event to stop at, halfway through the turn
+    cluster.run_until(lambda: cluster.now >= middle)
+    assert traj.turn == 1 and traj.instance == 0  # 500 left <= 1,000: the small bucket
+    # The new plan: bucket 0 up to 200 remaining tokens; instance 0 stays there.
+    moved = cluster.update_buckets((BucketConfig("a", 1, 200), BucketConfig("b", 2, 100000)), {0: 0, 1: 1})
+    assert moved == 1 and traj.instance == 1 and 0 < traj.carried < 500
+    cluster.run_until(lambda: False)
+    assert [t.trajectory_id for t in done] == ["a"] and cluster.num_migrations == 1

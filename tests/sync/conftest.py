@@ -1,6 +1,8 @@
 """Session fixtures for the weight-publication tests: one tiny Qwen2 model (tied embeddings, QKV
-bias, head size 32 for vLLM's CPU attention), one Megatron TP=2 training job that takes a step on
-it, and one in-process vLLM engine (TP=1) with the Libra worker extension."""
+bias, head size 32 for vLLM's CPU attention), its resharding shape and the transfer plans from
+Megatron TP=2 to vLLM TP=1 and TP=2, one Megatron TP=2 training job that takes a step on it, and
+one in-process vLLM engine (TP=1) with the Libra worker extension. (The TP=2 engine, ~5 GB, lives
+only as long as its own module: `test_publish_vllm_tp2.py`.)"""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from libra.sync import ModelShape
+from libra.sync import ModelShape, build_transfer_plan, logical_tensors, megatron_layout, vllm_layout
 
 PROBE_SEED = 21
 
@@ -33,6 +35,24 @@ def tiny_model(tmp_path_factory) -> Path:
     from tests.training.tiny_models import make_hf_model
 
     return make_hf_model("qwen2", tmp_path_factory.mktemp("sync-model"), tie=True, seed=5, hidden=128)
+
+
+@pytest.fixture(scope="session")
+def shape(tiny_model) -> ModelShape:
+    from transformers import AutoConfig
+
+    return model_shape(AutoConfig.from_pretrained(tiny_model))
+
+
+@pytest.fixture(scope="session")
+def plans(shape) -> dict:
+    """Transfer plans from the trainer's Megatron TP=2 to vLLM TP=1 and TP=2 (fp32, 4 KiB buckets)."""
+    return {
+        tp: build_transfer_plan(
+            megatron_layout(shape, 2, 1), vllm_layout(shape, tp), logical_tensors(shape), 4, 4096
+        )
+        for tp in (1, 2)
+    }
 
 
 @pytest.fixture(scope="session")

@@ -13,93 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load
 
-from libra.sync import build_transfer_plan, logical_tensors, megatron_layout, vllm_layout
 from libra.sync.grpc_stream import GrpcSender
 from libra.sync.instance_update import apply_version
 from libra.sync.publisher import WeightPublisher, buffer_key
 from libra.sync.shm import ShmSender
-from tests.sync.conftest import model_shape
+from tests.sync.engine_helpers import PROMPTS, engine_params, vllm_greedy
+from tests.sync.hf_reference import assert_greedy_under_hf, hf_greedy, hf_model
 from tests.sync.reference_reshard import hf_to_vllm, megatron_to_hf
 
 pytestmark = pytest.mark.multiprocess
-
-NUM_NEW_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def shape(tiny_model):
-    from transformers import AutoConfig
-
-    return model_shape(AutoConfig.from_pretrained(tiny_model))
-
-
-@pytest.fixture(scope="module")
-def plans(shape):
-    return {
-        tp: build_transfer_plan(
-            megatron_layout(shape, 2, 1), vllm_layout(shape, tp), logical_tensors(shape), 4, 4096
-        )
-        for tp in (1, 2)
-    }
-
-
-def engine_params(llm) -> dict[str, torch.Tensor]:
-    return load(llm.collective_rpc("libra_read_params")[0])
-
-
-def vllm_greedy(llm, prompts: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if weights is not None:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-        model.tie_weights()
-    return model
-
-
-def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            for _ in range(NUM_NEW_TOKENS):
-                next_id = model(ids).logits[0, -1].argmax()
-                ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-            out.append(ids[0, len(prompt) :].tolist())
-    return out
-
-
-def assert_greedy_under_hf(model, prompts: list[list[int]], generated: list[list[int]]) -> int:
-    """Every token the engine chose greedily is transformers' argmax on the same prefix, or ties
-    with it to within fp32 rounding (1e-4 in logits; a trained tiny model has near-ties that two
-    correct fp32 engines may break differently). Returns the number of such ties."""
-    ties = 0
-    with torch.no_grad():
-        for prompt, tokens in zip(prompts, generated, strict=True):
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-            for position, token in enumerate(tokens):
-                best = int(logits[position].argmax())
-                if best != token:
-                    gap = float(logits[position, best] - logits[position, token])
-                    assert gap < 1e-4, (
-                        f"prompt {prompt[:4]}.. token {position}: engine {token}, hf {best} by {gap}"
-                    )
-                    ties += 1
-    return ties
-
-
-PROMPTS = [[5, 17, 250, 3, 99], [42] * 7, list(range(100, 130))]
 
 
 def test_trained_step_published_over_shm_is_bit_identical_and_greedy_matches(

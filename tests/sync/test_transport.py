@@ -10,9 +10,11 @@ import torch
 
 from libra.sync.collective import CollectiveReceiver, CollectiveSender
 from libra.sync.grpc_stream import GrpcReceiver, GrpcSender
+from libra.sync.load_request import LoadRequest
 from libra.sync.publisher import WeightPublisher, buffer_key
 from libra.sync.shm import ShmReceiver, ShmSender
 from libra.sync.transport import BufferManifest, TransferError, checksum, verify_staged
+from libra.sync.wire import load_request_from_proto, load_request_to_proto
 from tests.sync.helpers import plan_for
 from tests.sync.reference_reshard import make_megatron_shards
 from tests.sync.test_executor import SHAPE
@@ -51,7 +53,9 @@ def test_manifest_round_trip_and_validation(published_inputs):
             assert BufferManifest.from_dict(manifest.to_dict()) == manifest
             assert len(manifest.buckets) > 1, "the test wants several buckets"
         request = publication.load_request(2)
-        assert [r["manifest"]["key"] for r in request["ranks"]] == [buffer_key(2, 0), buffer_key(2, 1)]
+        assert [r.manifest.key for r in request.ranks] == [buffer_key(2, 0), buffer_key(2, 1)]
+        assert LoadRequest.from_dict(request.to_dict()) == request
+        assert load_request_from_proto(load_request_to_proto(request)) == request
         with pytest.raises(ValueError, match="TP=4"):
             publication.load_request(4)
         with pytest.raises(ValueError, match="greater than"):

@@ -59,7 +59,9 @@ def main(spec: dict) -> None:
             max_tokens_per_microbatch=96,
             max_staleness=1,
             train_batch_size=12,
-            grpo=GrpoConfig(clip_high=0.28, kl_coef=0.05, entropy_coef=0.01),
+            grpo=GrpoConfig(
+                clip_high=0.28, kl_coef=0.05, entropy_coef=0.01, temperature=spec.get("temperature", 1.0)
+            ),
         )
         engine = TrainEngine(arch, cfg, info)
         out: dict = {"losses": [], "steps": []}

@@ -101,6 +101,25 @@ def test_token_loss_matches_reference(cfg):
     )
     assert got.loss_sum.item() == pytest.approx(want, rel=1e-12, abs=1e-12)
     assert got.clipped_tokens.item() == want_clipped > 0
+    assert got.objective.item() == got.loss_sum.item()  # no scale: the plain sum
+
+
+def test_sequence_mean_weighs_each_trajectory_equally():
+    """Two trajectories, advantages +1 and -1, the failed one four times longer: token-mean pushes
+    the failure 4x harder in total, sequence-mean pushes both with the same total weight."""
+    cfg = GrpoConfig()
+    logp = torch.full((2, 8), -1.0, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 8, dtype=torch.float64)
+    mask[0, :2], mask[1, :] = 1, 1
+    adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64).expand(2, 8)
+    lengths = mask.sum(dim=1, keepdim=True)
+    for scale, want_ratio in ((None, 4.0), ((1.0 / (lengths * 2)).expand(2, 8), 1.0)):
+        logp.grad = None
+        out = grpo_token_loss(logp, logp.detach(), logp.detach(), adv, mask, cfg, scale=scale)
+        out.objective.backward()
+        push_up, push_down = -logp.grad[0].sum().item(), logp.grad[1].sum().item()
+        assert push_up > 0 and push_down > 0
+        assert push_down / push_up == pytest.approx(want_ratio)
 
 
 def test_clip_edges_and_gradients():
@@ -159,3 +178,7 @@ def test_kl_needs_reference():
 def test_config_names_bad_field():
     with pytest.raises(ValueError, match="training.grpo.clip_low"):
         GrpoConfig(clip_low=1.5)
+    with pytest.raises(ValueError, match="training.grpo.loss_aggregation must be token_mean or"):
+        GrpoConfig(loss_aggregation="sum")
+    with pytest.raises(ValueError, match="training.grpo.temperature"):
+        GrpoConfig(temperature=0)

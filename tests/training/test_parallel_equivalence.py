@@ -5,7 +5,8 @@ staleness counters restored.
 
 The main model is a Qwen3 with tied embeddings (QK-norm, GQA 4q/2kv, head_dim 16, vocab 300
 padded to 384 at TP=1 and 512 at TP=2). Every job trains 5 GRPO steps (2 mini-batches each,
-KL and entropy terms on, clip-higher, one stale trajectory at step 3) on fixed batches.
+KL and entropy terms on, clip-higher, one stale trajectory at step 3) on fixed batches, scoring
+tokens at a sampling temperature of 0.7 (the reference divides transformers' logits by it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ NUM_CPUS = 2
 STEPS = 5
 SAVE_AT = 2
 TOL = 1e-5
+TEMPERATURE = 0.7
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -46,7 +48,7 @@ def jobs(models, tmp_path_factory):
     checkpoint resumes at TP=1."""
     root = tmp_path_factory.mktemp("jobs")
     ckpt = str(root / "ckpt_tp2")
-    common = {"steps": STEPS, "export": True}
+    common = {"steps": STEPS, "export": True, "temperature": TEMPERATURE}
     specs = {
         "tp1": {**common, "tp": 1, "pp": 1, "dp": 1, "models": [models["qwen3"]]},
         "tp2": {
@@ -63,13 +65,24 @@ def jobs(models, tmp_path_factory):
     }
     started = {name: (start_job(spec, root / name), root / name) for name, spec in specs.items()}
     results = {name: wait_job(procs, out) for name, (procs, out) in started.items()}
-    resume = {"steps": STEPS, "tp": 1, "pp": 1, "dp": 1, "resume": ckpt, "models": [models["qwen3"]]}
+    resume = {
+        **common,
+        "tp": 1,
+        "pp": 1,
+        "dp": 1,
+        "resume": ckpt,
+        "models": [models["qwen3"]],
+        "export": False,
+    }
     results["resume_tp1"] = run_job(resume, root / "resume_tp1")
     return results
 
 
-def hf_logprobs(model_dir: str, state_dict: dict | None = None) -> list[list[float]]:
-    """Reference: transformers' per-token logprobs of the fixed batch's response tokens."""
+def hf_logprobs(
+    model_dir: str, state_dict: dict | None = None, temperature: float = TEMPERATURE
+) -> list[list[float]]:
+    """Reference: transformers' per-token logprobs of the fixed batch's response tokens at the
+    sampling temperature."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -82,7 +95,7 @@ def hf_logprobs(model_dir: str, state_dict: dict | None = None) -> list[list[flo
     with torch.no_grad():
         for t in make_batch(seed=7):
             ids = torch.tensor([t.token_ids])
-            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
             p = len(t.prompt_token_ids)
             targets = ids[0, p:]
             lp = logp[p - 1 : -1].gather(-1, targets[:, None])[:, 0]

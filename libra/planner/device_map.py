@@ -1,0 +1,53 @@
+"""Plan devices -> node agents' devices.
+
+A plan numbers devices node-major across the cluster (`libra.planner.plan`); a node agent numbers
+its own from 0. The map lays the live agents end to end in registration order, each agent's
+devices in index order, so that with identical agents global device d is local device
+d % devices_per_node of the (d // devices_per_node)-th agent — the planner's numbering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libra.control.types import AgentState, ClusterState
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    slots: tuple[tuple[str, int], ...]
+    """(agent id, local device index) of each global device."""
+
+    @classmethod
+    def from_cluster_state(cls, state: ClusterState) -> DeviceMap:
+        slots = [
+            (agent.agent_id, device.index)
+            for agent in state.agents
+            if agent.state == AgentState.ALIVE
+            for device in sorted(agent.devices, key=lambda d: d.index)
+        ]
+        return cls(tuple(slots))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.slots)
+
+    def locate(self, devices: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """The one agent holding every device in `devices` and their local indices; ValueError
+        when a device does not exist or they span agents (a worker runs on one host)."""
+        if not devices:
+            raise ValueError("a worker needs at least one device")
+        missing = [d for d in devices if not 0 <= d < len(self.slots)]
+        if missing:
+            raise ValueError(
+                f"devices {missing} do not exist: the live agents hold {len(self.slots)} devices"
+            )
+        agents = {self.slots[d][0] for d in devices}
+        if len(agents) != 1:
+            raise ValueError(f"devices {list(devices)} span agents {sorted(agents)}; a worker runs on one")
+        return agents.pop(), tuple(self.slots[d][1] for d in devices)
+
+    def global_devices(self, agent_id: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The global numbers of an agent's devices (devices of agents no longer live are skipped)."""
+        index = {slot: d for d, slot in enumerate(self.slots)}
+        return tuple(index[(agent_id, i)] for i in local if (agent_id, i) in index)
