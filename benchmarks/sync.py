@@ -188,17 +188,12 @@ def run_publish(shape: ModelShape, dtype_name: str, threads: int) -> None:
     as safetensors bytes, vLLM `reload_weights`), into one in-process TP=1 engine. The second
     instance's load is timed on the same engine (a TP=2 engine does not fit this 2-core machine's
     test budget), so "2 instances" = publish once for both layouts + 2 loads."""
-    import os
     import tempfile
 
-    for key, value in {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }.items():
-        os.environ.setdefault(key, value)
+    from libra.rollout.config import InstanceConfig
+    from libra.rollout.engine import configure_vllm_env
+
+    configure_vllm_env(InstanceConfig())  # before vLLM is imported
     from safetensors.torch import save
     from transformers import AutoConfig
     from vllm import LLM

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from libra.config import ControlConfig
-from libra.control.auth import HEALTH_PREFIX, server_credentials
+from libra.control.auth import HEALTH_PREFIX
+from libra.control.server import bind, enable_reflection
 
 
 class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -90,14 +90,7 @@ async def start_aio_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in [""] + service_names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server,
-    )
-    address = f"{host or config.host}:{config.port if port is None else port}"
-    credentials = server_credentials(config)
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if bound == 0:
-        raise RuntimeError(f"cannot listen on {address}")
+    enable_reflection(server, service_names)
+    bound = bind(server, config, host, port)
     await server.start()
     return RunningAioServer(server=server, port=bound, health=health_servicer)

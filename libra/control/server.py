@@ -47,17 +47,31 @@ def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in [""] + service_names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    enable_reflection(server, service_names)
+    bound = bind(server, config, host, port)
+    server.start()
+    return RunningServer(server=server, port=bound, health=health_servicer)
+
+
+def enable_reflection(server: grpc.Server | grpc.aio.Server, service_names: list[str]) -> None:
+    """Reflection over the server's services, health and reflection itself."""
     reflection.enable_server_reflection(
         service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
+
+
+def bind(
+    server: grpc.Server | grpc.aio.Server, config: ControlConfig, host: str | None, port: int | None
+) -> int:
+    """Listens on `host:port` (default: the config's), with TLS when the config has a
+    certificate; returns the bound port."""
     address = f"{host or config.host}:{config.port if port is None else port}"
     credentials = server_credentials(config)
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"cannot listen on {address}")
-    server.start()
-    return RunningServer(server=server, port=bound, health=health_servicer)
+    return bound
 
 
 def rpc_errors(method):

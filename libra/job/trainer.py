@@ -3,6 +3,7 @@ concurrently (the ranks' collectives must line up), and the ranks must agree on 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -11,22 +12,10 @@ from libra.config import ControlConfig
 from libra.control.auth import open_channel
 from libra.sync.load_request import LoadRequest
 from libra.sync.wire import load_request_from_proto
+from libra.training.engine import StepResult
 from libra.training.worker import trajectory_to_proto
 from libra.trajectory import TOOL_TOKEN_VERSION, Trajectory
 from libra.v1 import training_pb2, training_pb2_grpc
-
-
-@dataclass(frozen=True)
-class TrainStepStats:
-    version: int
-    loss: float
-    pg_loss: float
-    entropy: float
-    clip_fraction: float
-    grad_norm: float
-    num_tokens: int
-    num_trajectories: int
-    num_dropped_stale: int
 
 
 @dataclass(frozen=True)
@@ -87,25 +76,14 @@ class TrainRanks:
         futures = [self._pool.submit(getattr(s, method), request, timeout=self._timeout) for s in self._stubs]
         return [f.result() for f in futures]
 
-    def train_step(self, trajectories: Sequence[Trajectory]) -> TrainStepStats:
+    def train_step(self, trajectories: Sequence[Trajectory]) -> StepResult:
         request = training_pb2.TrainStepRequest(trajectories=[trajectory_to_proto(t) for t in trajectories])
         replies = self._call_all("TrainStep", request)
         if len({r.version for r in replies}) != 1:
             raise RuntimeError(
                 f"train ranks disagree on the version after a step: {[r.version for r in replies]}"
             )
-        r = replies[0]
-        return TrainStepStats(
-            r.version,
-            r.loss,
-            r.pg_loss,
-            r.entropy,
-            r.clip_fraction,
-            r.grad_norm,
-            r.num_tokens,
-            r.num_trajectories,
-            r.num_dropped_stale,
-        )
+        return StepResult(**{f.name: getattr(replies[0], f.name) for f in dataclasses.fields(StepResult)})
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         """Per-token logprobs of each response under the trainer's current weights."""

@@ -59,15 +59,20 @@ def _kill_an_instance_after(job: GrpoJob, run_dir: Path, step: int, killed: dict
     # A client of the controller's gRPC API follows the job as `libra status --watch` does.
     address = (run_dir / "controller.addr").read_text().strip()
     seen = killed.setdefault("job_events", [])
+    last_sequence = 0
     with ClusterClient(address, (run_dir / "token").read_text().strip(), ControlConfig()) as client:
-        try:
-            for event in client.watch_events(kinds=[EventKind.JOB]):
-                seen.append(event.message)
-                lost = any(m.startswith("instance_lost:") for m in seen)
-                if lost and event.message.startswith("step ") and event.message != seen[0]:
-                    return
-        except grpc.RpcError:
-            return  # the job ended and took its controller down
+        while not killed.get("stop"):
+            try:
+                for event in client.watch_events(after_sequence=last_sequence, kinds=[EventKind.JOB]):
+                    last_sequence = event.sequence
+                    seen.append(event.message)
+                    lost = any(m.startswith("instance_lost:") for m in seen)
+                    if lost and event.message.startswith("step ") and event.message != seen[0]:
+                        return
+            except grpc.RpcError:
+                # A stream broken under load is resumed after the last event seen; once the job
+                # has ended (`stop`), its controller is gone for good.
+                time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

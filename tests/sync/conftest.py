@@ -6,7 +6,6 @@ only as long as its own module: `test_publish_vllm_tp2.py`.)"""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -68,14 +67,10 @@ def trained(tiny_model, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def llm(tiny_model):
     """In-process vLLM (TP=1, fp32) on the checkpoint, with the Libra weight loader."""
-    for key, value in {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }.items():
-        os.environ.setdefault(key, value)
+    from libra.rollout.config import InstanceConfig
+    from libra.rollout.engine import configure_vllm_env
+
+    configure_vllm_env(InstanceConfig())  # before vLLM is imported
     from vllm import LLM
 
     from libra.sync.vllm_loader import WORKER_EXTENSION
