@@ -4,16 +4,17 @@
 
 - Libra mode: configs/tiny_cpu.py as is (C-MLFQ routing over the TP buckets of its instances).
 - Baseline mode: the same job with least-load routing over a homogeneous pool of TP-1 instances
-  (the same number of instances) and the same static split of devices.
+  (the same number of instances) and a static split of devices (planner and elastic pool off).
 
 Prints, per mode: rollout throughput (generated tokens/s over the run and per step), wall time
-per step, and the time-to-reward (seconds until the 3-step moving mean of the batch reward first
-reaches --target), then the Libra / baseline ratios. The two runs are sequential on the same
-machine; the load average is printed because the machine is shared.
+per step, the time-to-reward (seconds until the 3-step moving mean of the batch reward first
+reaches --target), the held-out reward before and after, then the Libra / baseline ratios. The
+two runs are sequential on the same machine; the load average is printed because the machine is
+shared.
 
-Honest limits of the first version: on a 2-core CPU the default pool is two TP-1 instances in
-both modes (TP-2 on CPU costs ~5 GB and is not faster on 2 cores, PLATFORM.md), and the job has
-no planner or elastic pool yet, so the modes differ only in routing.
+Honest limits: on a 2-core CPU the default pool is two TP-1 instances in both modes (TP-2 on CPU
+costs ~5 GB and is not faster on 2 cores, PLATFORM.md), so the modes differ in routing and in the
+planner / elastic pool, not in TP sizes.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def run_mode(name: str, out: Path, overrides: list[str]) -> dict:
         "trajectories_per_s": len(samples) / rollout_s,
         "step_s": rollout_s / len(steps),
         "final_reward": sum(s["mean_reward"] for s in steps[-3:]) / min(3, len(steps)),
+        "held_out": " -> ".join(f"{e['mean_reward']:.3f}" for e in read_jsonl(run_dir / "evaluations.jsonl")),
     }
 
 
@@ -59,7 +61,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="runs/e2e-bench")
-    parser.add_argument("--target", type=float, default=0.3, help="reward level for time-to-reward")
+    parser.add_argument("--target", type=float, default=0.15, help="reward level for time-to-reward")
     parser.add_argument("overrides", nargs="*", help="section.field=value for both modes")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -69,20 +71,24 @@ def main() -> int:
     homogeneous = ",".join("1" for _ in job.tp_sizes)
     libra = run_mode("libra", out, common)
     baseline = run_mode(
-        "baseline", out, [*common, "job.router=least_load", f"job.rollout_tp_sizes={homogeneous}"]
+        "baseline",
+        out,
+        [*common, "job.router=least_load", f"job.rollout_tp_sizes={homogeneous}", "job.planner=false"],
     )
     print(
         f"\nload average: {os.getloadavg()}; "
         f"pools: libra TP {job.rollout_tp_sizes}, baseline TP {homogeneous}"
     )
     print(
-        f"{'mode':10} {'tok/s':>8} {'traj/s':>8} {'s/step':>8} {'reward(last3)':>14} {'time-to-reward':>15}"
+        f"{'mode':10} {'tok/s':>8} {'traj/s':>8} {'s/step':>8} {'reward(last3)':>14} {'time-to-reward':>15} "
+        "held-out reward"
     )
     for m in (libra, baseline):
         ttr = time_to_reward(m["steps"], args.target)
         print(
             f"{m['name']:10} {m['tokens_per_s']:8.0f} {m['trajectories_per_s']:8.2f} {m['step_s']:8.1f} "
-            f"{m['final_reward']:14.3f} {f'{ttr:.0f} s' if ttr is not None else 'not reached':>15}"
+            f"{m['final_reward']:14.3f} {f'{ttr:.0f} s' if ttr is not None else 'not reached':>15} "
+            f"{m['held_out']}"
         )
     print(
         "throughput ratio libra/baseline: "

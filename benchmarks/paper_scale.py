@@ -1,6 +1,7 @@
 """Paper-scale comparison tables: every baseline and ablation against full Libra, simulated.
 
-    python benchmarks/paper_scale.py [--out DIR] [--steps N] [--only NAME]
+    python benchmarks/paper_scale.py [--out DIR] [--steps N] [--only NAME] [--migration kv_move]
+                                     [--policies libra,libra_no_planner,...]
 
 Runs configs/sim_r2e_48xa800.py (the original's setting: 48 A800, Qwen3-14B, R2E-like), the same
 at 160 Ascend 910B, and at 1,024 H100 GPUs; prints each markdown table with Libra's throughput
@@ -70,6 +71,12 @@ def main() -> int:
     parser.add_argument("--out", default="sim_reports", help="folder for one sub-folder per config")
     parser.add_argument("--steps", type=int, default=0, help="override num_steps of every config")
     parser.add_argument("--only", help="run only the config whose file name contains this")
+    parser.add_argument(
+        "--migration",
+        choices=("reprefill", "kv_move"),
+        help="override sim.costs.migration: how a migrated trajectory's context reaches its new instance",
+    )
+    parser.add_argument("--policies", help="comma-separated subset of the policies to run")
     args = parser.parse_args()
     root = Path(__file__).resolve().parents[1] / "configs"
     for name in CONFIGS:
@@ -78,6 +85,13 @@ def main() -> int:
         config = load_sim_config(root / name)
         if args.steps:
             config = dataclasses.replace(config, num_steps=args.steps)
+        if args.migration:
+            config = dataclasses.replace(
+                config, costs=dataclasses.replace(config.costs, migration=args.migration)
+            )
+        if args.policies:
+            config = dataclasses.replace(config, policies=tuple(args.policies.split(",")))
+        print(f"# {config.name}: migration={config.costs.migration}, {config.num_steps} steps\n")
         print(mix_table(config), flush=True)
         started = time.perf_counter()
         comparison = run_comparison(config, log=lambda line: print(line, flush=True))

@@ -9,9 +9,14 @@ counts match exactly). Tool execution is instant on both sides. Ratio = Libra to
 tok/s; the target is >= 0.85 (under 15 % overhead). Each repeat also reports the CPU time the
 whole process tree spent (this process, the instance and both engine cores): on a shared host the
 wall-time ratio swings with other programs' load, while the CPU-time ratio (direct / Libra) shows
-what the path itself costs. Profile of the Libra side (cProfile, both processes): per call,
-grpc.aio's unary-stream set-up and read (~0.7 ms of CPU, client and server together), and in the
-instance one wake-up of the engine wrapper per generated token (vLLM DELTA outputs).
+what the path itself costs. Where the Libra side's extra CPU goes (per-process CPU of 64
+trajectories, same engine arguments on both sides, 2-core host at load 2-7): the instance's
+engine core 0.15-0.3 s more than the direct one (likely more, smaller engine steps: each turn
+reaches the engine a round trip later; not counted), the instance frontend 0.1-0.25 s more than
+the direct frontend (grpc.aio's unary-stream call, ~0.5 ms of CPU per call client and server
+together, and the engine wrapper), the agent loop and client 0.1-0.2 s. The
+instance no longer wakes per generated token (FINAL_ONLY outputs when nothing is streamed) and
+runs without vLLM's Prometheus and console stat loggers.
 
 Usage: python benchmarks/rollout.py [--trajectories 64] [--model DIR] [--repeats 10]
 Without --model it builds the tiny model and fine-tunes it to call the calculator (a few seconds).
@@ -38,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from libra.backends import get_backend  # noqa: E402
 from libra.rollout.config import InstanceConfig  # noqa: E402
 from libra.rollout.engine import configure_vllm_env  # noqa: E402
+from libra.rollout.instance_server import instance_argv  # noqa: E402
 
 TOKEN = "benchmark-token"
 MAX_MODEL_LEN = 1024
@@ -80,17 +86,9 @@ class _LibraSide:
         env = {**os.environ, **_engine_env(), "LIBRA_TOKEN": TOKEN}
         with open(self.workdir / "instance.log", "wb") as log:
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "libra.rollout.instance_server",
-                    "--model",
-                    str(self.model_dir),
-                    "--address-file",
-                    str(address_file),
-                    "--max-model-len",
-                    str(MAX_MODEL_LEN),
-                ],
+                instance_argv(
+                    InstanceConfig(model=str(self.model_dir), max_model_len=MAX_MODEL_LEN), address_file
+                ),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -2,19 +2,8 @@
 original paper's main experiment (`reference/libra-notes.md` §7). Run `libra plan` on this file."""
 
 from libra.backends.profiles import A800_SXM4_80GB
-from libra.planner.config import ClusterSpec, ModelArch, PlannerConfig, PlanningProblem, TrainingBatch
+from libra.planner.config import QWEN3_14B, ClusterSpec, PlannerConfig, PlanningProblem, TrainingBatch
 from libra.planner.workload import synthetic_history
-
-QWEN3_14B = ModelArch(
-    num_layers=40,
-    hidden_size=5120,
-    num_attention_heads=40,
-    num_kv_heads=8,
-    ffn_hidden_size=17408,
-    vocab_size=151936,
-    head_dim=128,
-    num_params=14_770_000_000,
-)
 
 
 def planning_problem() -> PlanningProblem:

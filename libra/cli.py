@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from libra.config import LibraConfig, load_config
+from libra.logs import LOG_DIR_ENV, configure_logging
 
 logger = logging.getLogger("libra")
 
@@ -138,6 +140,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     config, job = load_job_config(args.job_config, args.overrides)
     if args.resume:
         config = dataclasses.replace(config, run_dir=args.resume)
+    # The job's own log and those of every worker it starts, as JSON lines in the run folder.
+    os.environ.setdefault(LOG_DIR_ENV, str(Path(config.run_dir).resolve() / "logs"))
+    configure_logging("job", args.verbose)
     run_job(config, job, resume=bool(args.resume))
     return 0
 
@@ -234,11 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow an option (`libra run CONFIG --resume RUN_DIR a.b=1`): argparse stops
+    # filling a positional list at the first option and leaves the rest over.
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    configure_logging(args.command, args.verbose)
     try:
         return args.func(args)
     except ValueError as e:

@@ -44,6 +44,9 @@ class HardwareProfile:
     inter_node_bandwidth_bytes_per_s: float
     """Per-device bandwidth to other nodes (InfiniBand / RoCE NICs)."""
     devices_per_node: int
+    allreduce_latency_s: float = 0.0
+    """Latency floor of one small all-reduce inside a node (a decode step's activations): what
+    a TP group pays per collective however few bytes it moves. 0: not modelled."""
 
 
 @dataclass(frozen=True)

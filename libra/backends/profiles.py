@@ -19,6 +19,20 @@ Sources:
   the 910B3 in Atlas 800T A2 servers: ~313 TFLOPS dense FP16/BF16, 64 GB HBM2e at ~1.6 TB/s,
   HCCS full mesh of 7 links x 56 GB/s = 392 GB/s per NPU, one 200 GE RoCE port per NPU. Treat them
   as approximate; calibration (planner) should replace them with measurements.
+
+All-reduce latency floor (`allreduce_latency_s`, one small intra-node all-reduce, what each of
+a TP decode step's two all-reduces per layer costs however few bytes it moves):
+- H100 / H200 (NVLink 4 + NVSwitch): 5 us. sgl-project/sglang PR #2904 measures a one-shot
+  custom all-reduce on H100 at 3.7 / 4.8 / 5.9 us for 512 B at TP 2 / 4 / 8 (3.9-7.8 us up to
+  32 KB), and vLLM's at 8.5-11.8 us without CUDA graphs; NVIDIA/nccl issue #1259 reports ~6 us
+  for NCCL's NVLS all-reduce of small messages on 2 H100s with CUDA graphs. Decode batches of
+  tens of sequences move 10-100 KB per all-reduce, inside that range.
+- A800 (NVLink 3, links capped at 400 GB/s): 8 us. No published A800/A100 small-message figure
+  was found; the previous NVLink generation is assumed ~1.5x Hopper's floor (between the custom
+  and NCCL paths above).
+- Ascend 910B (HCCS full mesh): 20 us. No published HCCL small-message latency was found either;
+  HCCL runs collectives through the device's task scheduler rather than a one-shot kernel over
+  peer memory, and is taken as several times NVLink's floor. Replace with `hccl_test` numbers.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from libra.backends.base import HardwareProfile
 _TERA = 1e12
 _GB = 1e9
 _GBIT = 1e9 / 8  # bytes/s in one Gb/s
+_US = 1e-6
 
 A800_SXM4_80GB = HardwareProfile(
     name="NVIDIA A800-SXM4-80GB",
@@ -37,6 +52,7 @@ A800_SXM4_80GB = HardwareProfile(
     intra_node_bandwidth_bytes_per_s=400 * _GB,
     inter_node_bandwidth_bytes_per_s=200 * _GBIT,
     devices_per_node=8,
+    allreduce_latency_s=8 * _US,
 )
 
 H100_SXM_80GB = HardwareProfile(
@@ -47,6 +63,7 @@ H100_SXM_80GB = HardwareProfile(
     intra_node_bandwidth_bytes_per_s=900 * _GB,
     inter_node_bandwidth_bytes_per_s=400 * _GBIT,
     devices_per_node=8,
+    allreduce_latency_s=5 * _US,
 )
 
 H200_SXM_141GB = HardwareProfile(
@@ -57,6 +74,7 @@ H200_SXM_141GB = HardwareProfile(
     intra_node_bandwidth_bytes_per_s=900 * _GB,
     inter_node_bandwidth_bytes_per_s=400 * _GBIT,
     devices_per_node=8,
+    allreduce_latency_s=5 * _US,
 )
 
 ASCEND_910B = HardwareProfile(
@@ -67,6 +85,7 @@ ASCEND_910B = HardwareProfile(
     intra_node_bandwidth_bytes_per_s=392 * _GB,
     inter_node_bandwidth_bytes_per_s=200 * _GBIT,
     devices_per_node=8,
+    allreduce_latency_s=20 * _US,
 )
 
 # (family token, profile). Matching is on the normalised name (lower case, no spaces or dashes).

@@ -2,7 +2,9 @@
 (`workers`, `setup`), the asynchronous GRPO loop with bounded staleness (`loop`), group rollout
 with rewards and traces (`rollouts`), weight publication to instances (`setup.publish`: the
 trainer's PublishWeights, then every instance's LoadWeights, retried through `libra.sync`'s
-version ledger), checkpoints and resume (`loop`), and the run folder: metrics,
+version ledger), the global planner in the loop with plans carried out on the live cluster and
+hybrid replicas joining from rollout (`planning`), checkpoints and resume (`loop`), and the run
+folder: metrics,
 TensorBoard, trajectories, live progress and the report (`recorder`, `progress`, `report`)."""
 
 from libra.job.config import JobConfig

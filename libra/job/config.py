@@ -2,8 +2,9 @@
 
 The rollout instances and the agent loop are configured by the root `rollout` section. Until
 `LibraConfig` has a section for the scheduler, the job carries the C-MLFQ buckets here
-(`job.scheduler`). The first version trains on the procedural tasks of the
-warm-started tiny policy's recipe (`libra.tasks.warm_start`); dataset-driven jobs come next.
+(`job.scheduler`). By default the job trains the warm-started tiny policy on its recipe's
+procedural tasks (`libra.tasks.warm_start`); with `tasks.dataset_path` (and `job.model`, an HF
+model folder) it trains on a dataset's records.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class JobConfig:
 
     model: str = ""
     """HF model folder of the initial policy; empty: the warm-started tiny model (built once and
-    cached under ~/.cache/libra, see `libra.tasks.warm_start`)."""
+    cached under ~/.cache/libra, see `libra.tasks.warm_start`). Required with `tasks.dataset_path`."""
     num_steps: int = 30
     """Train steps (policy versions) to run."""
     prompts_per_step: int = 8
@@ -63,6 +64,17 @@ class JobConfig:
     """Show the live progress table (rich) on a terminal."""
     seed: int = 0
     """Seed of prompt order."""
+    planner: bool = True
+    """Run the global planner in the loop (`libra.job.planning`): the controller serves it
+    (GetPlan, ProposePlan, SetPlannerPolicy), the job feeds it every step and carries out the plans
+    it adopts; its triggers and apply rule are the `planner.policy` section."""
+    eval_tasks: int = 96
+    """Held-out tasks (never trained on) rolled out before the first step and after the last, with
+    the training's sampling: the policy's reward before and after on the same prompts, free of the
+    prompt-mix noise of single training batches. Procedural tasks: the warm-start suite's test
+    split; dataset tasks have no held-out split yet. 0: off."""
+    eval_samples: int = 4
+    """Trajectories per held-out task."""
     scheduler: CmlfqConfig = field(default_factory=_tiny_buckets)
 
     def __post_init__(self) -> None:
@@ -73,6 +85,12 @@ class JobConfig:
             raise ValueError(
                 f"job.group_size must be >= 2 (GRPO compares within a group), got {self.group_size}"
             )
+        if self.eval_tasks < 0:
+            raise ValueError(
+                f"job.eval_tasks must be >= 0 (0: no held-out evaluation), got {self.eval_tasks}"
+            )
+        if self.eval_samples < 1:
+            raise ValueError(f"job.eval_samples must be >= 1, got {self.eval_samples}")
         if self.checkpoint_interval < 0:
             raise ValueError(f"job.checkpoint_interval must be >= 0, got {self.checkpoint_interval}")
         if self.router not in ROUTERS:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from libra.config import LibraConfig
 from libra.job.config import JobConfig
-from libra.job.recorder import RunRecorder, StepMetrics
+from libra.job.planning import StepTimes
+from libra.job.recorder import HeldOutEvaluation, RunRecorder, StepMetrics
 from libra.job.rollouts import Group, GroupRollout, TaskStream
 from libra.job.setup import JobWorkers
 from libra.job.trainer import measure_logprob_gap
@@ -41,6 +42,8 @@ class JobResult:
     num_trajectories: int
     """Trajectories rolled out (trained on or not)."""
     version: int
+    evaluations: list[HeldOutEvaluation]
+    """Held-out reward before the first step and after the last (`job.eval_tasks`)."""
 
 
 class GrpoJob:
@@ -51,17 +54,20 @@ class GrpoJob:
                 f"training.train_batch_size ({config.training.train_batch_size}) must equal "
                 f"job.prompts_per_step x job.group_size ({job.batch_size})"
             )
-        if config.tasks.dataset_path is not None:
+        if config.tasks.dataset_path is not None and not job.model:
             raise ValueError(
-                "tasks.dataset_path: the first version of the job trains on the procedural tasks of the "
-                "warm-started policy only; leave tasks.dataset_path unset"
+                "tasks.dataset_path needs job.model, the HF model folder of the policy to train (the "
+                "default warm-started tiny policy knows only its procedural tasks)"
             )
         self.config, self.job, self.resume = config, job, resume
         self.run_dir = Path(config.run_dir)
+        if resume:
+            _last_checkpoint(self.run_dir)  # refused before any worker starts
         self.gate = StalenessGate(config.training.max_staleness, job.batch_size)
         self.in_flight: dict[int, asyncio.Task[Group]] = {}
         self.finished: dict[int, Group] = {}
         self.steps: list[StepMetrics] = []
+        self.evaluations: list[HeldOutEvaluation] = []
         self.num_rolled_out = 0
 
     def run(self) -> JobResult:
@@ -74,19 +80,41 @@ class GrpoJob:
         try:
             await self.workers.start(self.recorder)
             self.recorder.publish_to(self.workers.cluster.controller.events)
+            self._start_planning()
             self.stream = TaskStream(self.workers.tasks, self.job.seed)
             if self.resume:
                 await self._restore()
-            self.rollout = GroupRollout(self.workers.agent_loop, self.workers.chat, self.job.group_size)
+            self.rollout = self._group_rollout(self.job.group_size)
+            await self._evaluate("before")
             await self._train_loop()
+            await self._evaluate("after")
+            await self._close_planning()
             self._checkpoint()
         finally:
+            await self._close_planning()
             for task in self.in_flight.values():
                 task.cancel()
             await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
             await self.workers.stop()
             self.recorder.close()
-        return JobResult(self.run_dir, self.steps, self.num_rolled_out, self.gate.version)
+        return JobResult(self.run_dir, self.steps, self.num_rolled_out, self.gate.version, self.evaluations)
+
+    def _start_planning(self) -> None:
+        """The planner in the loop (`libra.job.planning`), unless `job.planner` is off."""
+        self.planning = None
+        if self.job.planner:
+            from libra.job.planning import JobPlanning
+
+            self.planning = JobPlanning(self.workers, self.recorder)
+            self.planning.adopt_launch_layout()
+            self.workers.on_instance_restarted = self.planning.on_instance_restarted
+            self.workers.on_instance_gone = self.planning.on_instance_gone
+
+    async def _close_planning(self) -> None:
+        """A plan being carried out finishes (the pool and its instances are still up)."""
+        planning, self.planning = getattr(self, "planning", None), None
+        if planning is not None:
+            await planning.close()
 
     def _start_prometheus(self):
         if self.job.metrics_port < 0:
@@ -104,6 +132,7 @@ class GrpoJob:
             self._launch_groups()
             batch = await self._next_batch()
             train_started = time.monotonic()
+            wait_s = train_started - step_started
             # Before the update: the trainer still runs the version that sampled the compared tokens.
             gap = await asyncio.to_thread(measure_logprob_gap, self.workers.trainer, batch, self.gate.version)
             stats = await asyncio.to_thread(self.workers.trainer.train_step, batch)
@@ -132,6 +161,7 @@ class GrpoJob:
                 entropy=stats.entropy,
                 grad_norm=stats.grad_norm,
                 mean_turns=sum(t.num_turns for t in batch) / len(batch),
+                tool_use_rate=sum(bool(t.tool_returns) for t in batch) / len(batch),
                 mean_staleness=sum(stats.version - 1 - t.oldest_policy_version for t in batch) / len(batch),
                 logprob_abs_diff=gap.mean,
                 logprob_max_abs_diff=gap.max,
@@ -141,8 +171,47 @@ class GrpoJob:
             self.steps.append(metrics)
             self.recorder.step(metrics)
             self.workers.progress.step(metrics, self.job.num_steps)
+            if self.planning is not None:
+                await self.planning.after_step(
+                    StepTimes(metrics.step, wait_s, now - train_started, self._last_dropped)
+                )
             if self.job.checkpoint_interval and self.gate.version % self.job.checkpoint_interval == 0:
                 self._checkpoint()
+
+    def _group_rollout(self, group_size: int) -> GroupRollout:
+        return GroupRollout(
+            self.workers.agent_loop,
+            self.workers.chat,
+            group_size,
+            qa_metric=self.config.tasks.qa_metric,
+            sandbox=self.workers.sandbox,
+        )
+
+    async def _evaluate(self, when: str) -> None:
+        """Rolls the held-out tasks out with the current weights and records their reward; none
+        of these trajectories is trained on. Their groups and prompt ids are negative, apart from
+        the training prompts' in the router's prefix trees."""
+        tasks = self.workers.eval_tasks[: self.job.eval_tasks]
+        if not tasks:
+            return
+        print(
+            f"[libra] held-out evaluation ({when}): {len(tasks)} tasks x {self.job.eval_samples}", flush=True
+        )
+        rollout = self._group_rollout(self.job.eval_samples)
+        groups = await asyncio.gather(
+            *(rollout.run(Group(-i, -i, self.gate.version), task) for i, task in enumerate(tasks, start=1))
+        )
+        trajectories = [t for group in groups for t in group.trajectories]
+        result = HeldOutEvaluation(
+            when=when,
+            version=self.gate.version,
+            num_tasks=len(tasks),
+            samples_per_task=self.job.eval_samples,
+            mean_reward=sum(t.reward for t in trajectories) / len(trajectories),
+            tool_use_rate=sum(bool(t.tool_returns) for t in trajectories) / len(trajectories),
+        )
+        self.evaluations.append(result)
+        self.recorder.evaluation(result)
 
     def _launch_groups(self) -> None:
         """Starts groups while the gate allows a whole group."""
@@ -163,6 +232,8 @@ class GrpoJob:
             while self.finished and len(batch) < self.job.batch_size:
                 group = self.finished.pop(min(self.finished))
                 self.recorder.group(group)
+                if self.planning is not None:
+                    self.planning.record(group.traces)
                 self.num_rolled_out += len(group.trajectories)
                 usable = [t for t in group.trajectories if t.num_generated_tokens > 0]
                 self.gate.drop(len(group.trajectories) - len(usable))
@@ -198,11 +269,8 @@ class GrpoJob:
         self.recorder.event("checkpoint", f"saved version {version} to {directory}")
 
     async def _restore(self) -> None:
-        done = sorted((self.run_dir / "checkpoints").glob("step_*/job_state.json"))
-        if not done:
-            raise ValueError(f"--resume: {self.run_dir}/checkpoints holds no finished checkpoint")
-        directory = done[-1].parent
-        state = json.loads(done[-1].read_text())
+        directory = _last_checkpoint(self.run_dir)
+        state = json.loads((directory / "job_state.json").read_text())
         version = await asyncio.to_thread(self.workers.trainer.load_checkpoint, str(directory / "trainer"))
         self.gate.load_state_dict(state["gate"], release_in_flight=True)
         self.stream.position = state["data_position"]
@@ -210,3 +278,10 @@ class GrpoJob:
         self.workers.restore_router(state["router"])
         await self.workers.publish(version)
         self.recorder.event("resume", f"resumed at version {version} from {directory}")
+
+
+def _last_checkpoint(run_dir: Path) -> Path:
+    done = sorted((run_dir / "checkpoints").glob("step_*/job_state.json"))
+    if not done:
+        raise ValueError(f"--resume: {run_dir}/checkpoints holds no finished checkpoint")
+    return done[-1].parent

@@ -1,7 +1,8 @@
 """What a run leaves in its folder while it runs: per-step metrics (`metrics.jsonl` and
 TensorBoard scalars under `tensorboard/`), every trajectory in the simulator's trace format
 (`trajectories.jsonl`, `libra.sim.trace`), rewards and outcomes (`samples.jsonl`), bucket
-occupancy samples (`occupancy.jsonl`) and plan / fault events (`events.jsonl`).
+occupancy samples (`occupancy.jsonl`), plan / fault events (`events.jsonl`) and the held-out
+evaluations (`evaluations.jsonl`).
 All files are appended, so a resumed run continues them."""
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class StepMetrics:
     entropy: float
     grad_norm: float
     mean_turns: float
+    tool_use_rate: float
+    """Share of the step's trajectories that called a tool at least once."""
     mean_staleness: float
     """Trainer version minus each trajectory's oldest policy version, averaged."""
     logprob_abs_diff: float
@@ -50,6 +53,20 @@ class StepMetrics:
     """Tokens the gap is measured over."""
 
 
+@dataclass(frozen=True)
+class HeldOutEvaluation:
+    """The policy on held-out tasks (`job.eval_tasks`), at one version."""
+
+    when: str
+    """`before` the first step or `after` the last."""
+    version: int
+    num_tasks: int
+    samples_per_task: int
+    mean_reward: float
+    tool_use_rate: float
+    """Share of the trajectories that called a tool at least once."""
+
+
 class RunRecorder:
     def __init__(self, run_dir: Path, tensorboard: bool = True, prometheus=None):
         """`prometheus`: a `libra.job.prometheus.JobMetrics` to mirror steps, occupancy and events."""
@@ -61,7 +78,7 @@ class RunRecorder:
         self.started = time.monotonic() - (previous[-1]["time_s"] if previous else 0.0)
         self._files = {
             name: open(run_dir / f"{name}.jsonl", "a", encoding="utf-8")
-            for name in ("metrics", "trajectories", "samples", "occupancy", "events")
+            for name in ("metrics", "trajectories", "samples", "occupancy", "events", "evaluations")
         }
         self._tb = None
         if tensorboard:
@@ -113,6 +130,13 @@ class RunRecorder:
                 if name != "step":
                     self._tb.add_scalar(f"job/{name}", value, metrics.step)
             self._tb.flush()
+
+    def evaluation(self, result: HeldOutEvaluation) -> None:
+        self._write("evaluations", asdict(result))
+        self._publish(
+            f"held-out {result.when} (version {result.version}): reward {result.mean_reward:.3f}, "
+            f"tool use {result.tool_use_rate:.2f} over {result.num_tasks} x {result.samples_per_task}"
+        )
 
     def occupancy(self, per_bucket: dict[str, int], tokens_per_s: float) -> None:
         row = {"time_s": round(self.elapsed(), 2), "buckets": per_bucket, "tokens_per_s": tokens_per_s}

@@ -8,6 +8,10 @@ from pathlib import Path
 
 from libra.job.recorder import read_jsonl
 
+REALLOCATION_EVENTS = frozenset(
+    {"instance_lost", "instance_restarted", "plan_executed", "hybrid_active", "hybrid_retired", "resume"}
+)
+
 
 def write_report(run_dir: str | Path) -> Path:
     import matplotlib
@@ -19,6 +23,7 @@ def write_report(run_dir: str | Path) -> Path:
     steps = read_jsonl(run_dir / "metrics.jsonl")
     occupancy = read_jsonl(run_dir / "occupancy.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
+    evaluations = read_jsonl(run_dir / "evaluations.jsonl")
     samples = read_jsonl(run_dir / "samples.jsonl")
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
@@ -33,8 +38,9 @@ def write_report(run_dir: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(x, [s["mean_reward"] for s in steps], marker="o", label="mean reward (batch)")
     ax.plot(x, _moving_mean([s["mean_reward"] for s in steps], 5), label="moving mean (5 steps)")
+    ax.plot(x, [s["tool_use_rate"] for s in steps], linestyle=":", label="share calling a tool")
     ax.set_xlabel("step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel("reward / share")
     ax.legend()
     reward_png = save(fig, "reward.png")
 
@@ -57,7 +63,8 @@ def write_report(run_dir: str | Path) -> Path:
     for name in names:
         ax.plot([o["time_s"] for o in occupancy], [o["buckets"].get(name, 0) for o in occupancy], label=name)
     for e in events:
-        if e["kind"] in ("instance_lost", "instance_restarted", "plan_applied", "resume"):
+        # Where the cluster changed: a fault, a restart, a plan carried out, a hybrid replica moving.
+        if e["kind"] in REALLOCATION_EVENTS:
             ax.axvline(e["time_s"], color="red", linestyle="--", linewidth=0.8)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("requests in flight per bucket")
@@ -73,6 +80,12 @@ def write_report(run_dir: str | Path) -> Path:
         f"- steps: {len(steps)}; trajectories rolled out: {len(samples)}",
         f"- mean reward, first {min(5, len(steps))} steps: {first:.3f}; "
         f"last {min(5, len(steps))} steps: {last:.3f}",
+        *[
+            f"- held-out {e['when']} (version {e['version']}, {e['num_tasks']} tasks x "
+            f"{e['samples_per_task']}, never trained on): reward {e['mean_reward']:.3f}, "
+            f"tool use {e['tool_use_rate']:.2f}"
+            for e in evaluations
+        ],
         f"- wall time: {steps[-1]['time_s'] if steps else 0:.0f} s",
         f"- mean rollout throughput: {_mean([s['rollout_tokens_per_s'] for s in steps]):.0f} tokens/s",
         f"- mean step time: {_mean([s['step_time_s'] for s in steps]):.1f} s "
@@ -86,13 +99,14 @@ def write_report(run_dir: str | Path) -> Path:
         "",
         "## Steps",
         "",
-        "| step | reward | trained | stale-dropped | tokens/s | step s | train s | publish s | loss "
-        "| entropy | logprob gap max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| step | reward | tool use | trained | stale-dropped | tokens/s | step s | train s | publish s "
+        "| loss | entropy | logprob gap max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in steps:
         lines.append(
-            f"| {s['step']} | {s['mean_reward']:.3f} | {s['num_trajectories']} | {s['num_dropped_stale']} | "
+            f"| {s['step']} | {s['mean_reward']:.3f} | {s['tool_use_rate']:.2f} | {s['num_trajectories']} | "
+            f"{s['num_dropped_stale']} | "
             f"{s['rollout_tokens_per_s']:.0f} | {s['step_time_s']:.1f} | {s['train_time_s']:.1f} | "
             f"{s['publish_time_s']:.2f} | {s['loss']:.4f} | {s['entropy']:.3f} | {_gap(s)} |"
         )

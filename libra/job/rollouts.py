@@ -2,8 +2,12 @@
 
 A group is `group_size` trajectories of one prompt, each an asyncio task of the agent loop (which
 routes every turn through the pool's router). The driver adds what the agent loop leaves to the
-job: the reward of each finished trajectory, the wall time of each tool call (for the simulator's
-trace format, measured by wrapping the tools), and the trajectory's trace.
+job: the reward of each finished trajectory (by its task type's rule, `libra.tasks.rewards`), the
+wall time of each tool call (for the simulator's trace format, measured by wrapping the tools),
+and the trajectory's trace.
+
+Prompts are `TaskRecord`s: the warm-started policy's procedural tasks by default, or a dataset's
+records (`tasks.dataset_path`, `load_dataset_tasks`), offered the tools their task type needs.
 """
 
 from __future__ import annotations
@@ -17,10 +21,43 @@ from dataclasses import dataclass, field
 from libra.rollout.agent_loop import AgentLoop
 from libra.rollout.chat import ChatFormat
 from libra.rollout.tools.base import Tool, ToolResult
+from libra.rollout.tools.config import ToolsConfig
+from libra.rollout.tools.sandbox import SandboxPool
 from libra.sim.trace import TrajectoryTrace, TurnTiming, trace_from_trajectory
-from libra.tasks.procedural import ProceduralTask
+from libra.tasks.config import TasksConfig
+from libra.tasks.datasets import TaskRecord, TaskType, load_tasks
 from libra.tasks.rewards import compute_reward
 from libra.trajectory import Outcome, Trajectory
+
+TOOLS_BY_TASK_TYPE: dict[TaskType, tuple[str, ...]] = {
+    TaskType.MATH: ("python",),
+    TaskType.RETRIEVAL_QA: ("retrieve",),
+    # No issue-validator tool exists (the original's R2E workflow has one): R2E-style code tasks
+    # get the sandboxed interpreter, and their reward runs the task's tests in the same sandbox.
+    TaskType.CODE: ("python",),
+    TaskType.PROCEDURAL: (),
+}
+"""Built-in tools (`tools.enabled` names) a dataset task of each type must be offered: the code
+interpreter for tool-integrated math (DAPO-Math, ReTool-style), retrieval for Search-R1."""
+
+
+def load_dataset_tasks(tasks: TasksConfig, tools: ToolsConfig) -> list[TaskRecord]:
+    """The records of `tasks.dataset_path`, after checking that `tools` offers what their task
+    types need (ValueError naming `tools.enabled` otherwise). A custom tool of the same name
+    stands in for a built-in one (e.g. `retrieve` served by a retrieval server)."""
+    records = load_tasks(tasks.dataset_path, tasks.dataset_shape, tasks.max_records)
+    if not records:
+        raise ValueError(f"tasks.dataset_path {tasks.dataset_path!r} holds no records")
+    offered = [*tools.enabled, *(custom.name for custom in tools.custom)]
+    for task_type in sorted({r.task_type for r in records}, key=lambda t: t.value):
+        missing = [name for name in TOOLS_BY_TASK_TYPE[task_type] if name not in offered]
+        if missing:
+            raise ValueError(
+                f"tasks.dataset_path has {task_type.value} tasks, which need the tools {missing}: "
+                f"add them to tools.enabled (now {tools.enabled}) or tools.custom"
+            )
+    return records
+
 
 _tool_latencies: contextvars.ContextVar[list[float]] = contextvars.ContextVar("libra_tool_latencies")
 
@@ -61,14 +98,14 @@ class TaskStream:
     """Prompts in a seeded random order, epoch after epoch; `position` is the number drawn (saved
     with checkpoints so a resumed run draws what it would have drawn)."""
 
-    def __init__(self, tasks: Sequence[ProceduralTask], seed: int, position: int = 0):
+    def __init__(self, tasks: Sequence[TaskRecord], seed: int, position: int = 0):
         if not tasks:
             raise ValueError("the task stream needs at least one task")
         self.tasks = list(tasks)
         self.seed = seed
         self.position = position
 
-    def next(self) -> tuple[int, ProceduralTask]:
+    def next(self) -> tuple[int, TaskRecord]:
         epoch, offset = divmod(self.position, len(self.tasks))
         order = list(range(len(self.tasks)))
         random.Random(f"{self.seed}:{epoch}").shuffle(order)
@@ -78,17 +115,26 @@ class TaskStream:
 
 
 class GroupRollout:
-    def __init__(self, loop: AgentLoop, chat: ChatFormat, group_size: int, qa_metric: str = "em"):
+    def __init__(
+        self,
+        loop: AgentLoop,
+        chat: ChatFormat,
+        group_size: int,
+        qa_metric: str = "em",
+        sandbox: SandboxPool | None = None,
+    ):
         self.loop = loop
         self.chat = chat
         self.group_size = group_size
         self.qa_metric = qa_metric
+        self.sandbox = sandbox
+        """Runs the tests of code tasks' rewards."""
 
-    async def run(self, group: Group, task: ProceduralTask) -> Group:
+    async def run(self, group: Group, task: TaskRecord) -> Group:
         import asyncio
 
         group.started_at = time.monotonic()
-        prompt = self.chat.prompt_ids([{"role": "user", "content": task.record.prompt}])
+        prompt = self.chat.prompt_ids([{"role": "user", "content": task.prompt}])
         runs = [
             asyncio.create_task(
                 self._one(
@@ -106,7 +152,7 @@ class GroupRollout:
         group.finished_at = time.monotonic()
         return group
 
-    async def _one(self, task: ProceduralTask, trajectory: Trajectory) -> tuple[Trajectory, TrajectoryTrace]:
+    async def _one(self, task: TaskRecord, trajectory: Trajectory) -> tuple[Trajectory, TrajectoryTrace]:
         latencies: list[float] = []
         _tool_latencies.set(latencies)
         trajectory = await self.loop.run(trajectory)
@@ -117,13 +163,14 @@ class GroupRollout:
         timings = [TurnTiming(s) for s in latencies[: len(trajectory.tool_returns)]]
         return trajectory, trace_from_trajectory(trajectory, timings)
 
-    async def reward(self, task: ProceduralTask, trajectory: Trajectory) -> float:
-        """1 when the trajectory ended with an answer turn whose `<answer>` is right, else 0."""
+    async def reward(self, task: TaskRecord, trajectory: Trajectory) -> float:
+        """The task type's reward of the final answer turn (`compute_reward`); 0 when the
+        trajectory did not end with an answer (cut by the turn, token or context limit)."""
         if trajectory.outcome != Outcome.ANSWERED:
             return 0.0
         last_turn = _last_model_turn(trajectory)
         text = self.chat.tokenizer.decode(last_turn, skip_special_tokens=True)
-        return await compute_reward(task.record, text, qa_metric=self.qa_metric)
+        return await compute_reward(task, text, pool=self.sandbox, qa_metric=self.qa_metric)
 
 
 def _last_model_turn(trajectory: Trajectory) -> list[int]:

@@ -19,7 +19,7 @@ from libra.job.config import JobConfig
 from libra.job.progress import Progress
 from libra.job.recorder import RunRecorder
 from libra.job.trainer import TrainRanks
-from libra.job.workers import JobCluster, free_port, training_json
+from libra.job.workers import JobCluster, Placement, free_port, training_json
 from libra.rollout import AgentLoop, InstanceClient, InstancePool, InstanceUnavailable
 from libra.scheduler import CmlfqRouter, LeastLoadRouter, RoundRobinRouter
 from libra.sync import VersionLedger
@@ -54,54 +54,41 @@ class JobWorkers:
         self._load_seconds: dict[int, float] = {}
         self._retired: list[InstanceClient] = []
         self.restarts = 0
+        self.on_instance_restarted = None
+        self.on_instance_gone = None
+        """Called with the id of a lost instance that cannot be restarted (its agent is lost)."""
+        """Called with (old id, new id) after the watchdog restarted an instance (the planner's
+        instance map follows it)."""
 
     # -- start-up ------------------------------------------------------------------------------
 
     async def start(self, recorder: RunRecorder) -> None:
-        from transformers import AutoTokenizer
-
-        from libra.rollout.tools.config import SandboxConfig
         from libra.rollout.tools.sandbox import SandboxPool
-        from libra.tasks.warm_start import (
-            COLLECTION_FILE,
-            WarmStartConfig,
-            cached_warm_start,
-            warm_start_chat,
-            warm_start_registry,
-            warm_start_suite,
-        )
 
         self.recorder = recorder
-        recipe = WarmStartConfig()
-        if self.job.model:
-            self.model_dir = Path(self.job.model)
+        # Before the workers: the tools (the sandbox among them) decide the prompt's tool list.
+        self.sandbox = await SandboxPool(self.config.tools.sandbox).start()
+        if self.config.tasks.dataset_path is None:
+            await self._procedural_tasks_and_tools()
         else:
-            print("[libra] building (or reusing) the warm-started tiny policy ...", flush=True)
-            self.model_dir = await asyncio.to_thread(cached_warm_start, recipe)
-        if not (self.model_dir / COLLECTION_FILE).is_file():
-            raise ValueError(
-                f"job.model {str(self.model_dir)!r} has no {COLLECTION_FILE}: the first version of the job "
-                "trains on the procedural tasks of a warm-started policy (leave job.model empty)"
-            )
-        # The warm-started policy's own suite (same difficulty and seed), its train split.
-        self.tasks = warm_start_suite(recipe).tasks[: recipe.num_train_tasks]
-        tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.chat = warm_start_chat(tokenizer)
+            self._dataset_tasks_and_tools()
 
-        await asyncio.to_thread(self.cluster.start)
+        self.planning_problem = self._planning_problem()
+        await asyncio.to_thread(self.cluster.start, self.planning_problem)
         self.token = self.cluster.token
+        # Training takes the first devices, rollout instances the rest (largest TP first): the
+        # planner's device numbering, so that the launch layout is a plan it can hold.
+        train_placements = [
+            self.cluster.place(1, f"train rank {r}") for r in range(self.config.training.world_size)
+        ]
         train_addresses, instance_ready = await asyncio.gather(
-            asyncio.to_thread(self._start_train_ranks), self._start_instances()
+            asyncio.to_thread(self._start_train_ranks, train_placements), self._start_instances()
         )
         self.trainer = TrainRanks(train_addresses, self.token, self.config.control)
+        self.train_addresses = train_addresses
 
-        self.sandbox = await SandboxPool(SandboxConfig(num_workers=2)).start()
-        registry = warm_start_registry(recipe, self.model_dir / COLLECTION_FILE, self.sandbox)
-        from libra.job.rollouts import TimedTool
-
-        tools = [TimedTool(registry[name]) for name in registry.names]
         agent = self.config.rollout.agent
-        self.agent_loop = AgentLoop(self.pool, self.chat, tools, agent, self.job.scheduler)
+        self.agent_loop = AgentLoop(self.pool, self.chat, self.tools, agent, self.job.scheduler)
         self.progress = Progress(
             self.job, self.config.run_dir, live=self.job.live_progress and sys.stdout.isatty()
         )
@@ -112,6 +99,59 @@ class JobWorkers:
             model=str(self.model_dir),
         )
 
+    async def _procedural_tasks_and_tools(self) -> None:
+        """The default: the warm-started tiny policy (`job.model`, else built once and cached) on
+        its recipe's procedural suite, with the recipe's tools and chat format."""
+        from transformers import AutoTokenizer
+
+        from libra.job.rollouts import TimedTool
+        from libra.tasks.warm_start import (
+            COLLECTION_FILE,
+            WarmStartConfig,
+            cached_warm_start,
+            warm_start_chat,
+            warm_start_registry,
+            warm_start_suite,
+        )
+
+        recipe = WarmStartConfig()
+        if self.job.model:
+            self.model_dir = Path(self.job.model)
+        else:
+            print("[libra] building (or reusing) the warm-started tiny policy ...", flush=True)
+            self.model_dir = await asyncio.to_thread(cached_warm_start, recipe)
+        if not (self.model_dir / COLLECTION_FILE).is_file():
+            raise ValueError(
+                f"job.model {str(self.model_dir)!r} has no {COLLECTION_FILE}: without tasks.dataset_path the "
+                "job trains on the procedural tasks of a warm-started policy (leave job.model empty)"
+            )
+        # The warm-started policy's own suite (same difficulty and seed), its train split.
+        suite = warm_start_suite(recipe).tasks
+        self.tasks = [t.record for t in suite[: recipe.num_train_tasks]]
+        self.eval_tasks = [t.record for t in suite[recipe.num_train_tasks + recipe.num_val_tasks :]]
+        self.chat = warm_start_chat(AutoTokenizer.from_pretrained(self.model_dir))
+        registry = warm_start_registry(recipe, self.model_dir / COLLECTION_FILE, self.sandbox)
+        self.tools = [TimedTool(registry[name]) for name in registry.names]
+
+    def _dataset_tasks_and_tools(self) -> None:
+        """`tasks.dataset_path`'s records for the HF model `job.model`, with the tools of
+        `tools.enabled` (checked against the records' task types) listed in the model's own chat
+        template."""
+        from transformers import AutoTokenizer
+
+        from libra.job.rollouts import TimedTool, load_dataset_tasks
+        from libra.rollout.chat import ChatFormat
+        from libra.rollout.tools.registry import build_registry
+
+        self.model_dir = Path(self.job.model)
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"job.model {self.job.model!r} is not an HF model folder (no config.json)")
+        self.tasks = load_dataset_tasks(self.config.tasks, self.config.tools)
+        self.eval_tasks = []
+        registry = build_registry(self.config.tools, self.sandbox)
+        self.tools = [TimedTool(registry[name]) for name in registry.names]
+        self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir), tools=self.tools)
+
     def _make_router(self):
         if self.job.router == "cmlfq":
             return CmlfqRouter(self.job.scheduler)
@@ -119,10 +159,23 @@ class JobWorkers:
             return LeastLoadRouter()
         return RoundRobinRouter()
 
-    def _start_train_ranks(self) -> list[str]:
+    @property
+    def hosts_hybrid_lane(self) -> bool:
+        """The train rank hosts the elastic hybrid pool's lane: the planner runs and the core is
+        one rank (TP = PP = DP = 1, what `libra.training.hybrid` supports)."""
+        return self.job.planner and self.config.training.world_size == 1
+
+    def _planning_problem(self):
+        """The planner's problem for the controller to serve (None: `job.planner` is off)."""
+        if not self.job.planner:
+            return None
+        from libra.job.planning import planning_problem
+
+        return planning_problem(self.config, self.job, self.model_dir)
+
+    def _start_train_ranks(self, placements) -> list[str]:
         training = self.config.training
         master_port = free_port()
-        placements = [self.cluster.place(1, f"train rank {r}") for r in range(training.world_size)]
         master_addr = self.cluster.agent_host(placements[0].agent_id)
         started = []
         for rank, placement in enumerate(placements):
@@ -158,6 +211,8 @@ class JobWorkers:
                 "--port-file",
                 str(port_file),
             ]
+            if self.hosts_hybrid_lane:
+                argv += ["--elastic", json.dumps(dataclasses.asdict(self.config.elastic))]
             self.cluster.start_worker(f"train-{rank}", WorkerRole.TRAIN, placement, argv)
             started.append((f"train-{rank}", port_file, host))
         return [f"{host}:{self.cluster.wait_for_file(w, f)}" for w, f, host in started]
@@ -167,7 +222,11 @@ class JobWorkers:
         # The controller's worker events mark a dead instance lost at once (its trajectories go
         # back to the router); `_watch_instances` restarts it.
         self.pool.watch_controller(self.cluster.controller.address, self.token)
-        await asyncio.gather(*(self._start_instance(tp) for tp in self.job.tp_sizes))
+        tp_sizes = sorted(self.job.tp_sizes, reverse=True)
+        placements = [self.cluster.place(tp, f"rollout instance (TP {tp})") for tp in tp_sizes]
+        await asyncio.gather(
+            *(self._start_instance(tp, p) for tp, p in zip(tp_sizes, placements, strict=True))
+        )
 
     async def _start_instance(self, tp_size: int, placement=None) -> int:
         instance_id = self._next_instance_id
@@ -176,33 +235,7 @@ class JobWorkers:
         placement = placement or self.cluster.place(tp_size, f"rollout instance {instance_id} (TP {tp_size})")
         address_file = self.run_dir / f"{worker_id}.addr"
         address_file.unlink(missing_ok=True)
-        inst = self.config.rollout.instance
-        # The context window cannot exceed the model's positions (vLLM refuses to start).
-        positions = json.loads((self.model_dir / "config.json").read_text()).get("max_position_embeddings")
-        max_model_len = min(inst.max_model_len, positions or inst.max_model_len)
-        argv = [
-            sys.executable,
-            "-m",
-            "libra.rollout.instance_server",
-            "--model",
-            str(self.model_dir),
-            "--address-file",
-            str(address_file),
-            "--dtype",
-            inst.dtype,
-            "--max-model-len",
-            str(max_model_len),
-            "--tensor-parallel-size",
-            str(tp_size),
-            "--kv-cache-gib",
-            str(inst.kv_cache_gib),
-            "--max-num-seqs",
-            str(inst.max_num_seqs),
-            "--seed",
-            str(inst.seed),
-            "--host",
-            self.cluster.agent_host(placement.agent_id),
-        ]
+        argv = self.rollout_argv(tp_size, self.cluster.agent_host(placement.agent_id), address_file)
         await asyncio.to_thread(self.cluster.start_worker, worker_id, WorkerRole.ROLLOUT, placement, argv)
         address = await asyncio.to_thread(self.cluster.wait_for_file, worker_id, address_file)
         self.instances[instance_id] = (worker_id, tp_size)
@@ -232,7 +265,7 @@ class JobWorkers:
         keep = set(self.ledger.published[-self.job.keep_weight_versions :])
         release = [v for v in self.ledger.releasable() if v not in keep]
         published = await asyncio.to_thread(
-            self.trainer.publish_weights, version, sorted(set(self.job.tp_sizes)), release
+            self.trainer.publish_weights, version, self.tp_sizes_in_use(), release
         )
         self.ledger.forget(release)
         self.loads = published.loads
@@ -337,8 +370,8 @@ class JobWorkers:
                 if self._closing:
                     break
                 status = self.cluster.worker_state(worker_id)
-                if status is None or not status.state.ended:
-                    continue
+                if status is None or not status.state.ended or self._withdrawn(instance_id):
+                    continue  # a plan stopping an instance is no failure: the plan forgets it
                 del self.instances[instance_id]
                 self.ledger.remove_instance(str(instance_id))
                 self._load_locks.pop(instance_id, None)
@@ -351,14 +384,90 @@ class JobWorkers:
                 message = f"{worker_id} ended ({status.state.name}, exit {status.exit_code})"
                 self.recorder.event("instance_lost", message)
                 placement = self.cluster.workers.pop(worker_id)
+                if not self.cluster.agent_alive(placement.agent_id):
+                    # Its node is gone: nothing to restart there; the planner re-plans without it.
+                    self.recorder.event(
+                        "instance_abandoned",
+                        f"{worker_id}: node agent {placement.agent_id} is lost",
+                        live_instances=len(self.pool.live_ids()),
+                    )
+                    if self.on_instance_gone is not None:
+                        self.on_instance_gone(instance_id)
+                    continue
                 self.restarts += 1
                 new_id = await self._start_instance(tp_size, placement)
+                if self.on_instance_restarted is not None:
+                    self.on_instance_restarted(instance_id, new_id)
                 self.recorder.event(
                     "instance_restarted",
                     f"{worker_id} restarted as rollout-{new_id}",
                     version=self.current_version,
                     live_instances=len(self.pool.live_ids()),
                 )
+
+    def _withdrawn(self, instance_id: int) -> bool:
+        try:
+            return self.pool.get(instance_id).withdrawn
+        except KeyError:
+            return False
+
+    # -- instances a plan starts and stops (`libra.job.planning`) --------------------------------
+
+    def tp_sizes_in_use(self) -> list[int]:
+        """TP sizes weights are published for: the launched ones and any a plan started."""
+        return sorted({*self.job.tp_sizes, *(tp for _, tp in self.instances.values())})
+
+    def rollout_argv(self, tp_size: int, host: str, address_file: Path) -> list[str]:
+        """The command line of a rollout instance of this job (its own and those plans start)."""
+        from libra.rollout.instance_server import instance_argv
+
+        inst = self.config.rollout.instance
+        # The context window cannot exceed the model's positions (vLLM refuses to start).
+        positions = json.loads((self.model_dir / "config.json").read_text()).get("max_position_embeddings")
+        config = dataclasses.replace(
+            inst,
+            model=str(self.model_dir),
+            max_model_len=min(inst.max_model_len, positions or inst.max_model_len),
+            tensor_parallel_size=tp_size,
+        )
+        return instance_argv(config, address_file, host=host)
+
+    async def join_instance(
+        self, worker_id: str, agent_id: str, devices: tuple[int, ...], tp_size: int, address: str
+    ) -> int:
+        """An instance a plan started (its worker serves at `address`): brought to the current
+        weights, then added to the pool and watched like the job's own. Returns its pool id."""
+        if tp_size not in self.loads and self.ledger.latest > 0:
+            raise ValueError(f"no published weights for TP-{tp_size} yet; the instance would stay behind")
+        instance_id = self._next_instance_id
+        self._next_instance_id += 1
+        self.cluster.workers[worker_id] = Placement(agent_id, tuple(devices))
+        self.instances[instance_id] = (worker_id, tp_size)
+        self.ledger.add_instance(str(instance_id), now=time.monotonic())
+        self._loaders[instance_id] = InstanceClient(address, self.token, self.config.control)
+        self._load_locks[instance_id] = asyncio.Lock()
+        if not await self._bring_up_to_date(instance_id):
+            self.forget_instance_now(instance_id)
+            raise RuntimeError(f"{worker_id} could not load version {self.ledger.latest}")
+        await self.pool.add(instance_id, address, tp_size, worker_id=worker_id)
+        return instance_id
+
+    async def forget_instance(self, instance_id: int) -> None:
+        """A plan stopped the instance and the pool forgot it: so does the job."""
+        self.forget_instance_now(instance_id)
+
+    def forget_instance_now(self, instance_id: int) -> None:
+        entry = self.instances.pop(instance_id, None)
+        if entry is None:
+            return
+        try:
+            self.ledger.remove_instance(str(instance_id))
+        except LookupError:
+            pass
+        self._load_locks.pop(instance_id, None)
+        if instance_id in self._loaders:
+            self._retired.append(self._loaders.pop(instance_id))
+        self.cluster.workers.pop(entry[0], None)
 
     def router_state(self) -> str:
         router = self.pool.router

@@ -78,8 +78,10 @@ class JobCluster:
         assert self.controller is not None
         return self.controller.token
 
-    def start(self) -> JobCluster:
-        self.controller = Controller(self.config).start()
+    def start(self, planning_problem=None) -> JobCluster:
+        """Starts the controller (serving the planner of `planning_problem`, a
+        `libra.planner.PlanningProblem`, when one is given) and waits for the node agents."""
+        self.controller = Controller(self.config, planning_problem=planning_problem).start()
         (self.run_dir / "controller.addr").write_text(self.controller.address + "\n")
         if self.job.spawn_agent:
             self._spawn_agent()
@@ -136,6 +138,12 @@ class JobCluster:
         raise ValueError(
             f"no agent has {num_devices} free device(s) for {what}; free devices per agent: {free} "
             "(raise backend.num_devices, or use fewer rollout instances / a smaller training.tensor_parallel)"
+        )
+
+    def agent_alive(self, agent_id: str) -> bool:
+        return any(
+            a.agent_id == agent_id and a.state == AgentState.ALIVE
+            for a in self.controller.cluster.snapshot().agents
         )
 
     def agent_host(self, agent_id: str) -> str:

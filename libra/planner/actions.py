@@ -198,6 +198,12 @@ class ActionExecutor:
         plan can stop it."""
         self._instances[instance_id] = RunningWorker(worker_id, tuple(devices), tp, address)
 
+    def forget_instance(self, instance_id: str) -> RunningWorker | None:
+        """Drops an instance whose worker is gone outside any plan (its node agent was lost), so
+        that no later plan tries to stop it; returns what was known of it."""
+        with self._lock:
+            return self._instances.pop(instance_id, None)
+
     def running_instances(self) -> dict[str, RunningWorker]:
         return dict(self._instances)
 

@@ -2,7 +2,8 @@
 measurements.
 
 Every prediction is `TimeBreakdown.seconds(factors)`, linear in (1/compute, 1/memory,
-1/communication, overhead_s), so fitting is linear least squares on the breakdowns' feature rows.
+1/communication, overhead_s) plus a fixed latency floor that is subtracted from the measurement,
+so fitting is linear least squares on the breakdowns' feature rows.
 Rows are weighted by 1/measured so the fit minimises relative error (a 2 s step and a 20 ms step
 count alike). Coefficients must not be negative: a negative one is pinned to zero (that component
 costs nothing: efficiency inf) and the rest refitted, a small active-set method. Factors named
@@ -66,6 +67,9 @@ def fit_factors(
     features = np.stack([m.breakdown.features() for m in measurements])
     measured = np.array([m.measured_s for m in measurements])
     weights = 1.0 / measured
+    # The collectives' latency floor is a measured constant, not a share of a peak: it is what
+    # the factors must NOT explain.
+    measured = measured - np.array([m.breakdown.latency_s for m in measurements])
     coefficients = _to_coefficients(prior)
     free = [i for i, name in enumerate(FACTOR_NAMES) if name not in fixed and features[:, i].any()]
     while free:

@@ -91,6 +91,19 @@ class ModelArch:
         return self.num_params * self.bytes_per_param
 
 
+# Qwen3-14B's config.json: 40 layers, 40 query / 8 KV heads of 128 (the original's evaluation model).
+QWEN3_14B = ModelArch(
+    num_layers=40,
+    hidden_size=5120,
+    num_attention_heads=40,
+    num_kv_heads=8,
+    ffn_hidden_size=17408,
+    vocab_size=151936,
+    head_dim=128,
+    num_params=14_770_000_000,
+)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Identical nodes of identical devices, numbered node-major: device d lives on node

@@ -4,10 +4,13 @@ that turn them into predictions.
 A prediction is linear in the inverse efficiencies:
 
     time = compute_s / compute + memory_s / memory + communication_s / communication + overhead_s
+           + latency_s
 
 where `compute_s` is the time at the device's peak FLOP/s, `memory_s` at its peak memory
-bandwidth and `communication_s` at its peak link bandwidth. This is what makes calibration a
-linear least-squares problem (`libra.planner.calibration`).
+bandwidth and `communication_s` at its peak link bandwidth. `latency_s` is the collectives'
+latency floor (`HardwareProfile.allreduce_latency_s` per all-reduce): a measured figure, not a
+share of a peak, so no efficiency scales it and calibration moves it to the measured side. This is
+what makes calibration a linear least-squares problem (`libra.planner.calibration`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class TimeBreakdown:
     communication_s: float = 0.0
     overhead_steps: float = 0.0
     """How many times the per-step overhead is paid."""
+    latency_s: float = 0.0
+    """Collective latency floors, in seconds as they are (not scaled by an efficiency)."""
 
     def __add__(self, other: TimeBreakdown) -> TimeBreakdown:
         return TimeBreakdown(
@@ -51,6 +56,7 @@ class TimeBreakdown:
             self.memory_s + other.memory_s,
             self.communication_s + other.communication_s,
             self.overhead_steps + other.overhead_steps,
+            self.latency_s + other.latency_s,
         )
 
     def scaled(self, factor: float) -> TimeBreakdown:
@@ -59,11 +65,12 @@ class TimeBreakdown:
             self.memory_s * factor,
             self.communication_s * factor,
             self.overhead_steps * factor,
+            self.latency_s * factor,
         )
 
     def features(self) -> np.ndarray:
         """The row of the calibration design matrix: coefficients of (1/compute, 1/memory,
-        1/communication, overhead_s)."""
+        1/communication, overhead_s); `latency_s` is not one (it is subtracted from the measurement)."""
         return np.array([self.compute_s, self.memory_s, self.communication_s, self.overhead_steps])
 
     def seconds(self, eff: EfficiencyFactors) -> float:
@@ -72,6 +79,7 @@ class TimeBreakdown:
             + self.memory_s / eff.memory
             + self.communication_s / eff.communication
             + self.overhead_steps * eff.overhead_s
+            + self.latency_s
         )
 
 
@@ -80,3 +88,10 @@ def ring_allreduce_s(num_bytes: float, group: int, bandwidth: float) -> float:
     if group <= 1:
         return 0.0
     return 2.0 * (group - 1) / group * num_bytes / bandwidth
+
+
+def allreduce_latency_s(group: int, latency_s: float) -> float:
+    """Latency floor of one all-reduce over `group` members: none for a group of one. Small
+    all-reduces run as one-shot kernels (every member reads its peers' buffers at once), so the
+    floor does not grow with the group inside a node (see `libra.backends.profiles`)."""
+    return latency_s if group > 1 else 0.0

@@ -5,8 +5,12 @@ Per instance of TP size k (all figures per device unless said otherwise):
   per token and device (KV heads split over k, replicated when k exceeds them) x (1 - fragmentation).
 - Steady batch = capacity / mean context (prompt + output / 2), capped at max_decode_batch.
 - Decode step (bandwidth bound) = read the weight shard and the batch's KV, plus the batch's
-  matmul FLOPs, plus two all-reduces per layer over the TP group.
-- Prefill of p tokens: 2 * params * p + 2 * layers * p^2 * query_dim FLOPs (causal attention).
+  matmul FLOPs, plus two all-reduces per layer over the TP group -- each paying the link's
+  latency floor (`HardwareProfile.allreduce_latency_s`) on top of its bytes: at small batches
+  that floor, 2 x layers per step whatever the batch, is what a large TP size pays for reading
+  fewer weights per device.
+- Prefill of p tokens: 2 * params * p + 2 * layers * p^2 * query_dim FLOPs (causal attention),
+  plus the same two all-reduces per layer, of p tokens' activations each.
 
 A trajectory occupies an instance for `work_s` = prefill + output_tokens x its share of a decode
 step, and cannot finish before `latency_s` = prefill + output_tokens x the decode step of a nearly
@@ -33,7 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from libra.planner.config import ClusterSpec, ModelArch, PlannerConfig, RequestRecord
-from libra.planner.cost_model import EfficiencyFactors, TimeBreakdown, ring_allreduce_s
+from libra.planner.cost_model import (
+    EfficiencyFactors,
+    TimeBreakdown,
+    allreduce_latency_s,
+    ring_allreduce_s,
+)
 
 
 @dataclass(frozen=True)
@@ -96,12 +105,42 @@ class RolloutCostModel:
             memory_s=(weight_read + kv_read) / profile.memory_bandwidth_bytes_per_s,
             communication_s=comm,
             overhead_steps=1.0,
+            latency_s=self._allreduce_latency_per_pass(tp),
         )
 
+    def _allreduce_latency_per_pass(self, tp: int) -> float:
+        """Latency floors of one forward pass: two all-reduces per layer (attention and MLP
+        outputs) over the TP group."""
+        return 2 * self.model.num_layers * allreduce_latency_s(tp, self.cluster.profile.allreduce_latency_s)
+
     def prefill(self, tp: int, prompt_tokens: float) -> TimeBreakdown:
+        return TimeBreakdown(
+            compute_s=float(self._prefill_compute_s(tp, np.asarray(prompt_tokens, dtype=float))),
+            communication_s=float(self._prefill_communication_s(tp, np.asarray(prompt_tokens, dtype=float))),
+            latency_s=self._allreduce_latency_per_pass(tp),
+        )
+
+    def prefill_seconds(self, tp: int, prompt_tokens: np.ndarray) -> np.ndarray:
+        """`prefill(tp, p).seconds(factors)` for every p in `prompt_tokens` at once."""
+        f = self.factors
+        return (
+            self._prefill_compute_s(tp, prompt_tokens) / f.compute
+            + self._prefill_communication_s(tp, prompt_tokens) / f.communication
+            + self._allreduce_latency_per_pass(tp)
+        )
+
+    def _prefill_compute_s(self, tp: int, prompt_tokens: np.ndarray) -> np.ndarray:
         m = self.model
         flops = 2.0 * m.num_params * prompt_tokens + 2.0 * m.num_layers * prompt_tokens**2 * m.query_dim
-        return TimeBreakdown(compute_s=flops / (tp * self.cluster.profile.peak_bf16_flops))
+        return flops / (tp * self.cluster.profile.peak_bf16_flops)
+
+    def _prefill_communication_s(self, tp: int, prompt_tokens: np.ndarray) -> np.ndarray:
+        """Two all-reduces per layer of the prompt's activations (ring: linear in the bytes)."""
+        m = self.model
+        per_token = ring_allreduce_s(
+            m.hidden_size * m.bytes_per_param, tp, self.cluster.profile.intra_node_bandwidth_bytes_per_s
+        )
+        return 2 * m.num_layers * per_token * prompt_tokens
 
     def instance_profile(self, tp: int, history: tuple[RequestRecord, ...]) -> InstanceProfile:
         capacity = self.token_capacity(tp)
@@ -125,11 +164,7 @@ class RolloutCostModel:
         outputs = np.array([r.output_tokens for r in history], dtype=float)
         tools = np.array([r.tool_time_s for r in history], dtype=float)
         totals = prompts + outputs
-        m, profile, eff = self.model, self.cluster.profile, self.factors
-        prefill_flops = 2.0 * m.num_params * prompts + 2.0 * m.num_layers * prompts**2 * m.query_dim
-        prefill = (
-            prefill_flops / (tp * profile.peak_bf16_flops) / eff.compute
-        )  # == self.prefill(), vectorised
+        prefill = self.prefill_seconds(tp, prompts)
         if inst.token_capacity <= 0:
             return np.full(len(history), np.inf), np.full(len(history), np.inf)
         work = prefill + outputs * self.token_share_s(tp, prompts + outputs / 2.0, decoding_per_device)
@@ -170,10 +205,7 @@ class RolloutCostModel:
             return 0.0
         outputs = sum(r.output_tokens for r in history)
         prompts = np.array([r.prompt_tokens for r in history], dtype=float)
-        m = self.model
-        prefill_flops = 2.0 * m.num_params * prompts + 2.0 * m.num_layers * prompts**2 * m.query_dim
-        prefill_s = prefill_flops.sum() / (tp * self.cluster.profile.peak_bf16_flops) / self.factors.compute
-        waiting = sum(r.tool_time_s for r in history) + float(prefill_s)  # == sum of self.prefill()
+        waiting = sum(r.tool_time_s for r in history) + float(self.prefill_seconds(tp, prompts).sum())
         context = float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in history]))
         capacity_batch = min(self.token_capacity(tp) / max(context, 1.0), float(self.config.max_decode_batch))
         per_device = in_flight / rollout_devices

@@ -134,6 +134,8 @@ class RolloutSpace:
                 lat[a, a + 1 :] = np.maximum.accumulate(segment_max[a:])
             lat[self._empty] = 0.0
             self._range_latency[k] = lat
+        self._build_device_count_tables()
+        self._device_counts: dict[tuple[float, float | None], float] = {}
         self.max_latency = float(
             np.max(
                 np.min(
@@ -171,6 +173,41 @@ class RolloutSpace:
             choices.append(choice)
         return float(best[-1]), choices
 
+    def _build_device_count_tables(self) -> None:
+        """`min_device_count`'s layout: per TP size, the (first, end) ranges with first < end
+        (the DP's only finite choices besides skipping the size) flattened column by column, so
+        that the best way to reach each end is one `minimum.reduceat` over its column."""
+        q = len(self.boundaries)
+        firsts, ends = np.triu_indices(q, k=1)
+        by_column = np.lexsort((firsts, ends))
+        self._flat_first = firsts[by_column]
+        self._column_starts = np.searchsorted(ends[by_column], np.arange(1, q))
+        self._flat_work = {k: self._range_work[k][firsts, ends][by_column] for k in self.tp_sizes}
+        self._flat_latency = {k: self._range_latency[k][firsts, ends][by_column] for k in self.tp_sizes}
+
+    def min_device_count(self, target_s: float, latency_cap_s: float | None = None) -> float:
+        """`min_devices(...)[0]` -- the same floating-point operations on the same values, over
+        the upper triangle only and without the choices -- remembered per (target, cap): the
+        bisections of one search probe the same targets again (the exact round repeats the
+        coarse round's probes over the training steps)."""
+        key = (target_s, latency_cap_s)
+        found = self._device_counts.get(key)
+        if found is not None:
+            return found
+        latency_limit = target_s if latency_cap_s is None else max(latency_cap_s, target_s)
+        q = len(self.boundaries)
+        best = np.full(q, np.inf)
+        best[0] = 0.0
+        for k in self.tp_sizes:
+            work = self._flat_work[k]
+            count = np.maximum(np.ceil(work / target_s), 1.0)
+            count += work / count > target_s
+            cost = np.where(self._flat_latency[k] <= latency_limit, k * count, np.inf)
+            reached = np.minimum.reduceat(best[self._flat_first] + cost, self._column_starts)
+            best[1:] = np.minimum(best[1:], reached)  # skipping TP-k keeps each end's cost
+        self._device_counts[key] = float(best[-1])
+        return self._device_counts[key]
+
     def buckets_at(self, target_s: float, latency_cap_s: float | None = None) -> list[BucketChoice]:
         """The bucket ranges and instance counts of D(target_s)'s solution."""
         _, choices = self.min_devices(target_s, latency_cap_s)
@@ -206,12 +243,12 @@ class RolloutSpace:
         when given, is known to satisfy it."""
         if high is None:
             high = self.upper_bound
-            if not math.isfinite(high) or self.min_devices(high, latency_cap_s)[0] > num_devices:
+            if not math.isfinite(high) or self.min_device_count(high, latency_cap_s) > num_devices:
                 return math.inf
         low = max(low, 0.0)
         while high - low > tolerance * high:
             mid = 0.5 * (low + high)
-            if self.min_devices(mid, latency_cap_s)[0] <= num_devices:
+            if self.min_device_count(mid, latency_cap_s) <= num_devices:
                 high = mid
             else:
                 low = mid
@@ -282,23 +319,26 @@ def search(
         raise NoFeasiblePlan(
             "no training configuration fits (memory, batch divisibility, granularity or minimum sizes)"
         )
+    # One space per rollout size, built once: the exact round at a size reuses the coarse
+    # round's space there, and with it the device counts its bisections already computed.
+    spaces: dict[int | None, RolloutSpace] = {}
     if rollout_devices is not None:
-        plan = _search_space(problem, candidates, rollout_factors, rollout_devices)
+        plan = _search_space(problem, candidates, rollout_factors, rollout_devices, spaces=spaces)
         return dataclasses.replace(plan, search_time_s=time.perf_counter() - started)
     # Rounds until the rollout size repeats are coarse (they only choose the size); the plan
     # returned is an exact search at the size it then has, i.e. exact for its own space.
-    plan = _search_space(problem, candidates, rollout_factors, None, tolerance=TIE_BREAK_TOLERANCE)
+    plan = _search_space(problem, candidates, rollout_factors, None, TIE_BREAK_TOLERANCE, spaces)
     devices = plan.num_devices - plan.training.config.num_devices
     tried: set[int] = set()
     for _ in range(MAX_CONCURRENCY_ROUNDS):
         tried.add(devices)
-        plan = _search_space(problem, candidates, rollout_factors, devices, tolerance=TIE_BREAK_TOLERANCE)
+        plan = _search_space(problem, candidates, rollout_factors, devices, TIE_BREAK_TOLERANCE, spaces)
         devices = plan.num_devices - plan.training.config.num_devices
         if devices in tried:
             break
     exact: dict[int, Plan] = {}
     while devices not in exact and len(exact) < MAX_CONCURRENCY_ROUNDS:
-        exact[devices] = _search_space(problem, candidates, rollout_factors, devices)
+        exact[devices] = _search_space(problem, candidates, rollout_factors, devices, spaces=spaces)
         devices = exact[devices].num_devices - exact[devices].training.config.num_devices
     consistent = [p for d, p in exact.items() if p.num_devices - p.training.config.num_devices == d]
     plan = min(
@@ -317,13 +357,18 @@ def _search_space(
     rollout_factors: EfficiencyFactors,
     rollout_devices: int | None,
     tolerance: float | None = None,
+    spaces: dict[int | None, RolloutSpace] | None = None,
 ) -> Plan:
     """The exact optimum over the space whose rollout batches assume `rollout_devices` (to the
-    config's relative tolerance unless `tolerance` is given)."""
+    config's relative tolerance unless `tolerance` is given); `spaces` keeps built spaces by
+    rollout size for the next call."""
     started = time.perf_counter()
     n_total = problem.cluster.num_devices
     tolerance = problem.config.search.relative_tolerance if tolerance is None else tolerance
-    space = build_rollout_space(problem, rollout_factors, rollout_devices)
+    spaces = {} if spaces is None else spaces
+    if rollout_devices not in spaces:
+        spaces[rollout_devices] = build_rollout_space(problem, rollout_factors, rollout_devices)
+    space = spaces[rollout_devices]
     if not space.tp_sizes:
         raise NoFeasiblePlan("the model does not fit any rollout TP size's memory")
 
@@ -334,7 +379,7 @@ def _search_space(
     # rollout), the one whose work -- training's and rollout's -- fits the least time: in an
     # asynchronous loop that work, not the one slowest trajectory, sets how fast steps come.
     work_bound = _optimum(space, candidates, n_total, TIE_BREAK_TOLERANCE, latency_cap_s=best)
-    needed, _ = space.min_devices(work_bound, best)
+    needed = space.min_device_count(work_bound, best)
     training = min(
         (c for c in candidates if c.step_s <= work_bound and c.config.num_devices <= n_total - needed),
         key=lambda c: (c.step_s, c.config.num_devices, c.config),
@@ -370,7 +415,7 @@ def _optimum(
 
     def feasible(target_s: float) -> bool:
         i = bisect.bisect_right(steps, target_s) - 1
-        return i >= 0 and space.min_devices(target_s, latency_cap_s)[0] <= n_total - fewest[i]
+        return i >= 0 and space.min_device_count(target_s, latency_cap_s) <= n_total - fewest[i]
 
     # Bisection over the T_train values: the first feasible one brackets the optimum.
     lo_i, hi_i = -1, len(steps)

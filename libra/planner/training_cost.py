@@ -4,7 +4,8 @@ For a micro-batch of mb sequences (lengths drawn from the recent history, so the
 uses E[s^2], not E[s]^2) on one pipeline stage of L/pp layers:
 - forward FLOPs = mb * (L/pp) * (2 s P_layer + 2 s^2 query_dim), plus the output layer on the
   last stage (2 s d V); backward = 2x forward; full activation recompute adds one forward;
-- TP: two all-reduces of the activations per layer forward and two backward (ring, intra-node);
+- TP: two all-reduces of the activations per layer forward and two backward (ring, intra-node),
+  each also paying the link's latency floor (`HardwareProfile.allreduce_latency_s`);
 - PP: one activation send forward and one gradient send backward per micro-batch and stage;
 - 1F1B: (n_micro + pp - 1) slots of (forward + backward) of the slowest stage;
 - the old-policy log-prob recompute is one more forward-only pipeline pass;
@@ -25,7 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from libra.planner.config import ClusterSpec, ModelArch, PlannerConfig, RequestRecord, TrainingBatch
-from libra.planner.cost_model import EfficiencyFactors, TimeBreakdown, ring_allreduce_s
+from libra.planner.cost_model import (
+    EfficiencyFactors,
+    TimeBreakdown,
+    allreduce_latency_s,
+    ring_allreduce_s,
+)
 
 DATA_PARALLEL_OVERLAP = 0.4
 """Share of the gradient synchronisation hidden behind the backward pass (the original assumes 30-50%)."""
@@ -100,11 +106,13 @@ class TrainingCostModel:
             2 * layers * ring_allreduce_s(activation_bytes, cfg.tp, profile.intra_node_bandwidth_bytes_per_s)
         )
         p2p = activation_bytes / pp_link if cfg.pp > 1 else 0.0
+        tp_latency = 2 * layers * allreduce_latency_s(cfg.tp, profile.allreduce_latency_s)
 
         slots = self.num_micro_batches(cfg) + cfg.pp - 1
         passes = 2 if self.batch.recompute_logprobs else 1  # forward passes: training + log-prob recompute
         compute = slots * (forward_compute * passes + backward_compute)
         comm = slots * ((tp_comm + p2p) * passes + tp_comm + p2p)
+        latency = slots * tp_latency * (passes + 1)
 
         shard_params = m.num_params / cfg.replica_size
         if self.batch.distributed_optimizer:
@@ -118,7 +126,9 @@ class TrainingCostModel:
             optimizer_params = shard_params
         comm += (1 - DATA_PARALLEL_OVERLAP) * dp_comm
         memory = ADAM_BYTES_PER_PARAM * optimizer_params / profile.memory_bandwidth_bytes_per_s
-        return TimeBreakdown(compute_s=compute, memory_s=memory, communication_s=comm, overhead_steps=1.0)
+        return TimeBreakdown(
+            compute_s=compute, memory_s=memory, communication_s=comm, overhead_steps=1.0, latency_s=latency
+        )
 
     def step_s(self, cfg: TrainingConfig, seqs: SequenceStats) -> float:
         return self.step(cfg, seqs).seconds(self.factors)

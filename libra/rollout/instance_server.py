@@ -23,6 +23,7 @@ from libra.config import ControlConfig
 from libra.control.aio_server import start_aio_server
 from libra.control.auth import TOKEN_ENV, read_token_file
 from libra.control.convert import InvalidArgument
+from libra.logs import configure_logging
 from libra.rollout import convert
 from libra.rollout.config import InstanceConfig
 from libra.rollout.engine import EngineInputError, InstanceEngine
@@ -144,25 +145,71 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=int, default=defaults.kv_cache_gib)
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=defaults.enforce_eager)
+    p.add_argument("--stats-window-s", type=float, default=defaults.stats_window_s)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV, "")
-    if not token:
-        print(f"no token: pass --token-file or set {TOKEN_ENV}", file=sys.stderr)
-        return 2
-    config = InstanceConfig(
+def instance_argv(
+    config: InstanceConfig,
+    address_file: str | Path,
+    host: str = "127.0.0.1",
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line that starts an instance process running `config` (every field of it, so
+    that `config_from_args(build_parser().parse_args(argv[3:]))` gives `config` back), serving on
+    any free port of `host` and writing its address to `address_file`. The token travels in the
+    environment (LIBRA_TOKEN), never on the command line."""
+    return [
+        python,
+        "-m",
+        "libra.rollout.instance_server",
+        "--model",
+        config.model,
+        "--host",
+        host,
+        "--address-file",
+        str(address_file),
+        "--dtype",
+        config.dtype,
+        "--max-model-len",
+        str(config.max_model_len),
+        "--tensor-parallel-size",
+        str(config.tensor_parallel_size),
+        "--kv-cache-gib",
+        str(config.kv_cache_gib),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--seed",
+        str(config.seed),
+        "--enforce-eager" if config.enforce_eager else "--no-enforce-eager",
+        "--stats-window-s",
+        repr(config.stats_window_s),
+    ]
+
+
+def config_from_args(args: argparse.Namespace) -> InstanceConfig:
+    return InstanceConfig(
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_gib=args.kv_cache_gib,
         max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
+        stats_window_s=args.stats_window_s,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging("rollout-instance")
+    token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV, "")
+    if not token:
+        print(f"no token: pass --token-file or set {TOKEN_ENV}", file=sys.stderr)
+        return 2
+    config = config_from_args(args)
     exit_code = asyncio.run(serve(config, ControlConfig(host=args.host), token, args.port, args.address_file))
     # vLLM leaves non-daemon threads behind after shutdown(); the engine is stopped, so leave now.
     logging.shutdown()

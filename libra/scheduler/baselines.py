@@ -22,10 +22,14 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.scheduler.interface import Decision, Reason
 from libra.scheduler.tool_state import ToolReturnState
+
+if TYPE_CHECKING:
+    from libra.scheduler.cmlfq import InstanceLoad
 
 
 @dataclass
@@ -115,6 +119,16 @@ class _BaselineRouter:
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         self._instances[instance_id].ready = ready
+
+    def instance_loads(self) -> list[InstanceLoad]:
+        """Live trajectories placed on each instance (what a plan's drain waits on), in id order."""
+        # C-MLFQ's type, imported here: its module loads the native core, which baselines do not need.
+        from libra.scheduler.cmlfq import InstanceLoad
+
+        return [
+            InstanceLoad(instance_id, instance.bucket, instance.active, instance.ready)
+            for instance_id, instance in sorted(self._instances.items())
+        ]
 
     def update_buckets(
         self, buckets: Sequence[BucketConfig], instance_buckets: Mapping[int, int]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from libra.backends.base import HardwareProfile
 from libra.backends.profiles import A800_SXM4_80GB, ASCEND_910B, H100_SXM_80GB, H200_SXM_141GB
-from libra.planner.config import ClusterSpec, ModelArch, PlannerConfig, TrainingBatch
+from libra.planner.config import QWEN3_14B, ClusterSpec, ModelArch, PlannerConfig, TrainingBatch
 from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.cpu_reference import cpu_profile
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
@@ -29,17 +29,6 @@ PROFILES: dict[str, HardwareProfile] = {
     "cpu": cpu_profile(1),
 }
 """`cpu`: one CPU slot of this project's machines (what `libra.sim.validation` replays runs on)."""
-
-QWEN3_14B = ModelArch(
-    num_layers=40,
-    hidden_size=5120,
-    num_attention_heads=40,
-    num_kv_heads=8,
-    ffn_hidden_size=17408,
-    vocab_size=151936,
-    head_dim=128,
-    num_params=14_770_000_000,
-)
 
 
 class Mode(enum.Enum):
@@ -188,7 +177,11 @@ class MovementCosts:
     """Colocated mode: offload/onload engines between the two stages, per stage switch."""
     migration: str = "reprefill"
     """How a migrated trajectory's context reaches its new instance: `reprefill` (the original's
-    main path) or `kv_move` (KV bytes over the inter-node links)."""
+    main path) or `kv_move` (its KV copied from the instance holding it, then only the new tool
+    return prefilled; a trajectory whose instance was stopped re-prefills)."""
+    kv_move_bandwidth_bytes_per_s: float = 0.0
+    """`kv_move`: bytes/s of one device link carrying KV (min(source TP, target TP) links work in
+    parallel); 0: the profile's intra-node link inside a node, its NIC across nodes."""
     tail_overprovision: float = 1.25
     """Tail batching: prompts launched per round over prompts kept."""
 
@@ -196,6 +189,11 @@ class MovementCosts:
         for name in ("instance_start_s", "hybrid_join_s", "restart_training_s", "colocate_switch_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sim.costs.{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_move_bandwidth_bytes_per_s < 0:
+            raise ValueError(
+                "sim.costs.kv_move_bandwidth_bytes_per_s must be >= 0, "
+                f"got {self.kv_move_bandwidth_bytes_per_s}"
+            )
         if self.migration not in ("reprefill", "kv_move"):
             raise ValueError(f"sim.costs.migration must be 'reprefill' or 'kv_move', got {self.migration!r}")
         if self.tail_overprovision < 1:

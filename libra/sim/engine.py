@@ -76,12 +76,14 @@ class RolloutCluster:
         cost: RolloutCostModel,
         max_batch: int,
         migration: str = "reprefill",
+        kv_move_bandwidth_bytes_per_s: float = 0.0,
     ):
         self.router = router
         self.cmlfq_config = cmlfq_config
         self.cost = cost
         self.max_batch = max_batch
         self.migration = migration
+        self.kv_move_bandwidth_bytes_per_s = kv_move_bandwidth_bytes_per_s
         self.now = 0.0
         self._heap: list = []
         self._counter = 0
@@ -278,7 +280,7 @@ class RolloutCluster:
         else:
             new_tokens = self._migration_tokens(traj, inst)
         seconds = prefill_s(self.cost, self.cost.factors, inst.tp, new_tokens)
-        if self.migration == "kv_move" and traj.cached_on not in (None, inst.instance_id):
+        if self._moves_kv(traj, inst):
             seconds += self._kv_move_s(traj, inst)
         if len(traj.versions) == traj.turn:  # a cut turn resumes under the version it began with
             traj.versions.append(self.version)
@@ -290,14 +292,42 @@ class RolloutCluster:
         """Tokens the new instance must prefill for a trajectory that ran elsewhere."""
         self.num_migrations += 1
         payload = float(traj.trace.turns[traj.turn - 1].payload_tokens) if traj.turn else 0.0
-        if self.migration == "kv_move":
+        if self._moves_kv(traj, inst):
             return payload
         return traj.context
 
+    def _moves_kv(self, traj: LiveTrajectory, inst: Instance) -> bool:
+        """Whether `traj`'s KV reaches `inst` by a transfer: only under `kv_move`, and only from
+        a live instance that still holds it (a stopped instance's cache is gone: re-prefill)."""
+        return (
+            self.migration == "kv_move"
+            and traj.cached_on is not None
+            and traj.cached_on != inst.instance_id
+            and traj.cached_on in self.instances
+        )
+
     def _kv_move_s(self, traj: LiveTrajectory, inst: Instance) -> float:
+        """The context's KV from its holder to `inst`: the full KV (every KV head once; a TP
+        group splits or replicates heads, but the bytes leaving the source are one copy) over
+        min(source TP, target TP) device links in parallel -- NVLink/HCCS inside a node, the
+        NICs across nodes -- or the configured bandwidth per link."""
         m = self.cost.model
-        kv_bytes = traj.context * 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.bytes_per_param
-        seconds = kv_bytes / (inst.tp * self.cost.cluster.profile.inter_node_bandwidth_bytes_per_s)
+        source = self.instances[traj.cached_on]
+        # The context already counts the tool return, which is prefilled on `inst`, not moved.
+        payload = float(traj.trace.turns[traj.turn - 1].payload_tokens) if traj.turn else 0.0
+        held = max(traj.context - payload, 0.0)
+        kv_bytes = held * 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.bytes_per_param
+        links = min(source.tp, inst.tp)
+        bandwidth = self.kv_move_bandwidth_bytes_per_s
+        if bandwidth <= 0:
+            profile, dpn = self.cost.cluster.profile, self.cost.cluster.devices_per_node
+            same_node = source.devices[0] // dpn == inst.devices[0] // dpn
+            bandwidth = (
+                profile.intra_node_bandwidth_bytes_per_s
+                if same_node
+                else profile.inter_node_bandwidth_bytes_per_s
+            )
+        seconds = kv_bytes / (links * bandwidth)
         self.migration_s += seconds
         return seconds
 

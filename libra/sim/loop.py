@@ -102,7 +102,12 @@ class PolicyRun:
             RouterKind.LEAST_LOAD: LeastLoadRouter,
         }[policy.router](cmlfq_config)
         self.cluster = RolloutCluster(
-            router, cmlfq_config, rollout_cost, config.planner.max_decode_batch, config.costs.migration
+            router,
+            cmlfq_config,
+            rollout_cost,
+            config.planner.max_decode_batch,
+            config.costs.migration,
+            config.costs.kv_move_bandwidth_bytes_per_s,
         )
         self.cluster.on_finish = self._on_finish
         self.instance_of_name: dict[str, int] = {}
@@ -167,6 +172,18 @@ class PolicyRun:
     def handle_finish(self, traj: LiveTrajectory) -> None:
         raise NotImplementedError
 
+    def _busy_by_tp(self) -> dict[int, float]:
+        busy: dict[int, float] = {}
+        for inst in self.cluster.all_instances():
+            busy[inst.tp] = busy.get(inst.tp, 0.0) + inst.busy_s * inst.tp
+        return dict(sorted(busy.items()))
+
+    def _tokens_by_tp(self) -> dict[int, float]:
+        tokens: dict[int, float] = {}
+        for inst in self.cluster.all_instances():
+            tokens[inst.tp] = tokens.get(inst.tp, 0.0) + inst.decoded_tokens
+        return dict(sorted(tokens.items()))
+
     def result(self, wall_s: float) -> SimResult:
         self.cluster.settle()
         now = self.cluster.now
@@ -185,6 +202,9 @@ class PolicyRun:
             staleness=self.staleness,
             steps=self.steps,
             migrations=self.cluster.num_migrations,
+            migration_s=self.cluster.migration_s,
+            busy_by_tp=self._busy_by_tp(),
+            tokens_by_tp=self._tokens_by_tp(),
             turns=self.cluster.num_turns,
             dropped=self.dropped,
             aborted=self.aborted,

@@ -66,6 +66,12 @@ class SimResult:
     staleness: list[int]
     steps: list[StepRecord]
     migrations: int = 0
+    migration_s: float = 0.0
+    """Seconds of KV transfers (`kv_move`); re-prefills count as rollout busy time instead."""
+    busy_by_tp: dict[int, float] = field(default_factory=dict)
+    """Rollout busy device-seconds per instance TP size."""
+    tokens_by_tp: dict[int, float] = field(default_factory=dict)
+    """Output tokens decoded per instance TP size."""
     turns: int = 0
     dropped: int = 0
     aborted: int = 0

@@ -20,6 +20,8 @@ from libra.rollout.chat import IM_END, TOOL_CALL_END, TOOL_CALL_START, ChatForma
 from libra.rollout.tools.base import ToolCall
 from libra.tasks.procedural import ProceduralTask, replay_demonstration
 
+ANSWER_START, ANSWER_END = "<answer>", "</answer>"
+DIRECT_ANSWER_LEAD = "The answer is "
 IGNORE_INDEX = -100
 """Label of tokens that carry no loss (transformers' convention)."""
 
@@ -52,6 +54,30 @@ def render_example(chat: ChatFormat, task: ProceduralTask, tool_results: Sequenc
         mask += [1] * len(turn) + [0] * len(result)
     final = encode(task.final_response + IM_END, add_special_tokens=False)
     return Example(ids + final, mask + [1] * len(final))
+
+
+def render_direct_answer(chat: ChatFormat, task: ProceduralTask) -> Example:
+    """`task` answered at once, without a tool call (`DIRECT_ANSWER_LEAD` + the answer): the habit
+    of a model that has not learned to rely on its tools. Only the answer's frame carries loss,
+    not its value: the value is the tool's result, which a tiny model cannot compute, and
+    learning to guess it would teach the answer token to ignore the result the tool path copies.
+    The lead words keep the first-turn choice (call or answer) apart from the final turns of the
+    tool path, which open with `<answer>` too."""
+    encode = chat.tokenizer.encode
+    ids = chat.prompt_ids([{"role": "user", "content": task.record.prompt}])
+    opening, value, closing = (
+        encode(DIRECT_ANSWER_LEAD + ANSWER_START, add_special_tokens=False),
+        encode(task.record.ground_truth, add_special_tokens=False),
+        encode(ANSWER_END + IM_END, add_special_tokens=False),
+    )
+    whole = DIRECT_ANSWER_LEAD + task.final_response + IM_END
+    if opening + value + closing != encode(whole, add_special_tokens=False):
+        raise ValueError(
+            f"task {task.record.metadata}: final response {task.final_response!r} does not tokenize as "
+            f"{ANSWER_START}value{ANSWER_END}"
+        )
+    mask = [0] * len(ids) + [1] * len(opening) + [0] * len(value) + [1] * len(closing)
+    return Example(ids + opening + value + closing, mask)
 
 
 async def render_demonstrations(
@@ -109,14 +135,24 @@ class Batch:
 
 
 def make_batches(
-    examples: Sequence[Example], max_tokens: int, max_length: int, pad_token_id: int, rng: random.Random
+    examples: Sequence[Example],
+    max_tokens: int,
+    max_length: int,
+    pad_token_id: int,
+    rng: random.Random,
+    group_lengths: Sequence[int] | None = None,
 ) -> list[Batch]:
     """One epoch of batches of similar length, at most `max_tokens` padded tokens each, in random
     order. Examples longer than `max_length` are cut to their first `max_length` tokens (the
-    early turns of a long demonstration still teach)."""
+    early turns of a long demonstration still teach). `group_lengths` (default: the examples' own
+    lengths) decides which examples share a batch: batches made only of one kind of short example
+    would each push one habit with the weight of many rows."""
     import torch
 
-    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].token_ids), rng.random()))
+    lengths = group_lengths if group_lengths is not None else [len(e.token_ids) for e in examples]
+    if len(lengths) != len(examples):
+        raise ValueError(f"{len(lengths)} group lengths for {len(examples)} examples")
+    order = sorted(range(len(examples)), key=lambda i: (lengths[i], rng.random()))
     groups, current, width = [], [], 0
     for index in order:
         length = min(len(examples[index].token_ids), max_length)

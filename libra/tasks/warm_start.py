@@ -8,7 +8,8 @@ call format and the easy cases; long chains stay mostly unsolved, which leaves R
 Recipe:
   1. one procedural suite split by index into train / validation / test tasks (one document
      collection, so keys never collide across splits);
-  2. AdamW over the train demonstrations, loss on model tokens only;
+  2. AdamW over the train demonstrations, loss on model tokens only; a share of them answers
+     without calling the tool (`direct_answer_fraction`), as an untrained agent often does;
   3. every `eval_every` steps, greedy evaluation of the validation split through the real
      `AgentLoop` and tools (in-process transformers engine, `hf_engine.py`). Training stops at the
      first evaluation with success >= `stop_at_success`; if that one overshoots the band
@@ -41,7 +42,7 @@ from libra.tasks.tiny_model import TinyModelSpec, make_tiny_model
 
 logger = logging.getLogger(__name__)
 
-RECIPE_VERSION = "warm-start-3"
+RECIPE_VERSION = "warm-start-4"
 """Part of the cache key: bump it whenever the recipe's code changes what it builds."""
 NUM_REPLAYED = 128
 """Python-only demonstrations replayed through the real sandbox to check the predicted results of
@@ -83,6 +84,15 @@ class WarmStartConfig:
     num_train_tasks: int = 2048
     """Many distinct demonstrations (cheap to make) rather than epochs over few: copying
     generalises from variety."""
+    direct_answer_fraction: float = 0.3
+    """Share of the train demonstrations that answer at once, without calling the tool
+    (`sft.render_direct_answer`; a random, seeded subset). The policy then skips its tool on
+    about this share of its sampled trajectories (built: first-turn P(answer) 0.31; greedy
+    decoding still calls it), almost always failing there: a decision GRPO's group advantages
+    teach within tens of steps — learning to rely on the tool is the first thing agentic RL
+    does — where the copy errors of the tool path alone improve far more slowly (issue #10: with
+    no such share the reward stayed flat over 30 steps). At 0.4 with the direct answers in
+    batches of their own, greedy decoding stopped calling the tool; see `make_batches`."""
     num_val_tasks: int = 64
     num_test_tasks: int = 96
     retrieval_top_k: int = 1
@@ -118,6 +128,10 @@ class WarmStartConfig:
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"warm_start.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.direct_answer_fraction < 1:
+            raise ValueError(
+                f"warm_start.direct_answer_fraction must be in [0, 1), got {self.direct_answer_fraction}"
+            )
         if self.learning_rate <= 0:
             raise ValueError(f"warm_start.learning_rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.success_low <= self.stop_at_success <= self.success_high <= 1:
@@ -198,7 +212,7 @@ async def _build(out: Path, config: WarmStartConfig) -> dict:
 
     from libra.rollout.tools.config import SandboxConfig
     from libra.rollout.tools.sandbox import SandboxPool
-    from libra.tasks.sft import render_checked, render_demonstrations
+    from libra.tasks.sft import render_checked, render_demonstrations, render_direct_answer
 
     started = time.monotonic()
     torch.set_num_threads(config.num_threads)
@@ -221,12 +235,25 @@ async def _build(out: Path, config: WarmStartConfig) -> dict:
             examples = await render_checked(chat, train, registry.call, _max_result_chars(), NUM_REPLAYED)
         else:
             examples = await render_demonstrations(chat, train, registry.call, _max_result_chars())
-        logger.info("rendered %d demonstrations in %.1f s", len(examples), time.monotonic() - started)
+        # Batches by the length of each task's tool-path demonstration, so the direct answers mix
+        # into batches of tool calls in their share instead of forming batches of their own.
+        group_lengths = [len(example.token_ids) for example in examples]
+        direct = random.Random(f"{config.seed}:direct-answers").sample(
+            range(len(train)), round(config.direct_answer_fraction * len(train))
+        )
+        for index in direct:
+            examples[index] = render_direct_answer(chat, train[index])
+        logger.info(
+            "rendered %d demonstrations (%d answering without a tool) in %.1f s",
+            len(examples), len(direct), time.monotonic() - started,
+        )  # fmt: skip
 
         async def evaluate_split(tasks):
             return await evaluate_local(model, tokenizer, chat, tools, tasks, config)
 
-        history, kept_step = await _train(model, tokenizer, examples, evaluate_split, val, config)
+        history, kept_step = await _train(
+            model, tokenizer, examples, group_lengths, evaluate_split, val, config
+        )
         model.eval()
         test_summary = (await evaluate_split(test)).to_json()
     finally:
@@ -255,7 +282,7 @@ async def _build(out: Path, config: WarmStartConfig) -> dict:
     return report
 
 
-async def _train(model, tokenizer, examples, evaluate_split, val, config: WarmStartConfig):
+async def _train(model, tokenizer, examples, group_lengths, evaluate_split, val, config: WarmStartConfig):
     """SFT with periodic validation; leaves `model` at the kept checkpoint. Returns the
     validation history and the kept step."""
     import torch
@@ -274,7 +301,12 @@ async def _train(model, tokenizer, examples, evaluate_split, val, config: WarmSt
     while step < config.max_steps:
         if not batches:
             batches = make_batches(
-                examples, config.batch_tokens, config.max_train_length, tokenizer.pad_token_id, rng
+                examples,
+                config.batch_tokens,
+                config.max_train_length,
+                tokenizer.pad_token_id,
+                rng,
+                group_lengths,
             )
         model.train()
         loss = masked_lm_loss(model, batches.pop())
@@ -297,7 +329,10 @@ async def _train(model, tokenizer, examples, evaluate_split, val, config: WarmSt
         history.append(entry)
         losses = []
         success = summary["success_rate"]
-        logger.info("step %d: loss %.3f, validation success %.3f", step, entry["train_loss"], success)
+        logger.info(
+            "step %d: loss %.3f, validation success %.3f, mean turns %.2f",
+            step, entry["train_loss"], success, summary["mean_turns"],
+        )  # fmt: skip
         if config.success_low <= success <= config.success_high:
             in_band = (step, copy.deepcopy(model.state_dict()))
         if success >= config.stop_at_success:

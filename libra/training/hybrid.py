@@ -168,6 +168,11 @@ class CoreLane:
     def generation(self) -> int:
         return self._generation
 
+    @property
+    def replica(self) -> int | None:
+        """The replica slot's last join (None: none was requested)."""
+        return self._replica
+
     # -- requests (from the controller) ----------------------------------------------------------
 
     def request_join(self, replica: int) -> int:

@@ -19,6 +19,8 @@ import os
 import socket
 from pathlib import Path
 
+from libra.logs import configure_logging
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replica < 1 or args.generation < 1:
         parser.error(f"--replica and --generation must be >= 1, got {args.replica}, {args.generation}")
+    configure_logging(f"hybrid-replica-{args.replica}")
 
     from libra.backends import get_backend
 

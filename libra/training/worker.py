@@ -23,6 +23,7 @@ from pathlib import Path
 
 from libra.control.convert import InvalidArgument
 from libra.control.server import rpc_errors
+from libra.logs import configure_logging
 from libra.sync.config import SyncConfig
 from libra.sync.layouts import ModelShape
 from libra.sync.trainer_publisher import SourceRank, TrainerPublisher
@@ -100,10 +101,13 @@ def model_shape(arch) -> ModelShape:
 
 
 class TrainRankServicer:
-    def __init__(self, engine, publisher: TrainerPublisher | None = None):
-        """`publisher`: this rank's side of weight publication (PublishWeights)."""
+    def __init__(self, engine, publisher: TrainerPublisher | None = None, lane=None):
+        """`publisher`: this rank's side of weight publication (PublishWeights). `lane`: a
+        `libra.training.hybrid.LaneControl` when the rank hosts the elastic hybrid pool's lane
+        (RequestJoin, CancelJoin, RequestRelease; TrainStep then runs through it)."""
         self.engine = engine
         self.publisher = publisher
+        self.lane = lane
         self._lock = threading.Lock()
 
     def _trajectories(self, request) -> list[Trajectory]:
@@ -133,7 +137,7 @@ class TrainRankServicer:
     def TrainStep(self, request, context):
         from libra.v1 import training_pb2
 
-        r = self._run(self.engine.train_step, self._trajectories(request))
+        r = self._run(self._train_step, self._trajectories(request))
         return training_pb2.TrainStepReply(
             version=r.version,
             loss=r.loss,
@@ -147,6 +151,61 @@ class TrainRankServicer:
             num_dropped_stale=r.num_dropped_stale,
             num_dropped_no_variance=r.num_dropped_no_variance,
             rollout_capacity=self.engine.gate.capacity(),
+        )
+
+    def _train_step(self, batch: list[Trajectory]):
+        if self.lane is None:
+            return self.engine.train_step(batch)
+        # The lane's step boundary (joins, activation, release) comes first, in the same lock.
+        return self.lane.run_step(self.engine.version, batch)[1]
+
+    # -- the elastic hybrid pool -------------------------------------------------------------------
+
+    def _lane(self):
+        if self.lane is None:
+            raise RuntimeError(
+                "this train rank hosts no hybrid lane (start it with --elastic; a core of TP=PP=DP=1)"
+            )
+        return self.lane
+
+    @rpc_errors
+    def RequestJoin(self, request, context):
+        from libra.v1 import training_pb2
+
+        if request.replica < 1:
+            raise InvalidArgument(f"replica must be >= 1 (0 is the core), got {request.replica}")
+        lane = self._lane()
+        join = lane.request_join(request.replica)
+        # The job joins to train: the replica activates as soon as it holds the state.
+        lane.lane.request_activation()
+        return training_pb2.RequestJoinReply(generation=join.generation, lane_address=join.lane_address)
+
+    @rpc_errors
+    def CancelJoin(self, request, context):
+        self._lane().cancel_join(request.replica, request.generation, request.reason)
+        return self._hybrid_state()
+
+    @rpc_errors
+    def RequestRelease(self, request, context):
+        self._lane().request_release(request.replica)
+        return self._hybrid_state()
+
+    @rpc_errors
+    def GetHybridState(self, request, context):
+        return self._hybrid_state()
+
+    def _hybrid_state(self):
+        from libra.v1 import training_pb2
+
+        lane = self._lane().lane
+        state = lane.state()
+        return training_pb2.HybridStateReply(
+            replica=-1 if lane.replica is None else lane.replica,
+            generation=lane.generation,
+            state="" if state is None else state.name,
+            accepted_payloads=lane.counters.accepted_payloads,
+            filled_in_shares=lane.counters.filled_in_shares,
+            rollbacks=list(lane.counters.rollbacks),
         )
 
     @rpc_errors
@@ -227,7 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--port-file", default=None, help="written with the bound port once serving")
+    parser.add_argument(
+        "--elastic",
+        default=None,
+        help="JSON object of ElasticConfig fields: host the elastic hybrid pool's lane (TP=PP=DP=1 only)",
+    )
     args = parser.parse_args(argv)
+    configure_logging(f"train-rank-{args.rank}")
 
     from libra.backends import get_backend
 
@@ -267,7 +332,14 @@ def main(argv: list[str] | None = None) -> None:
     source = SourceRank(info.rank, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.dp_rank)
     # The trainer's own vocab padding, which decides the source layout the plans strip.
     publisher = TrainerPublisher(model_shape(arch), source, sync, VOCAB_DIVISIBLE_BY)
-    servicer = TrainRankServicer(engine, publisher)
+    lane = None
+    if args.elastic is not None:
+        from libra.planner.elastic import ElasticConfig
+        from libra.training.hybrid import CoreLane, LaneControl
+
+        elastic = ElasticConfig(**(json.loads(args.elastic) if args.elastic else {}))
+        lane = LaneControl(CoreLane(engine, elastic, host=args.host))
+    servicer = TrainRankServicer(engine, publisher, lane)
 
     def add(server):
         training_pb2_grpc.add_TrainRankServicer_to_server(servicer, server)

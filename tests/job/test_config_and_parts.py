@@ -108,6 +108,7 @@ def test_report_from_run_folder(tmp_path):
                 entropy=1.0,
                 grad_norm=0.5,
                 mean_turns=2.0,
+                tool_use_rate=0.5,
                 mean_staleness=0.5,
                 logprob_abs_diff=1e-6,
                 logprob_max_abs_diff=1e-6 * step,
@@ -122,8 +123,18 @@ def test_report_from_run_folder(tmp_path):
     (tmp_path / "events.jsonl").write_text(
         json.dumps({"time_s": 20.0, "kind": "instance_lost", "message": "x"}) + "\n"
     )
+    evaluations = [
+        {"when": when, "version": version, "num_tasks": 32, "samples_per_task": 4, "mean_reward": reward,
+         "tool_use_rate": tools}
+        for when, version, reward, tools in (("before", 0, 0.0625, 0.7), ("after", 6, 0.25, 0.95))
+    ]  # fmt: skip
+    (tmp_path / "evaluations.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
     report = write_report(tmp_path).read_text()
     assert "first 5 steps: 0.300; last 5 steps: 0.400" in report
+    assert (
+        "held-out before (version 0, 32 tasks x 4, never trained on): reward 0.062, tool use 0.70" in report
+    )
+    assert "held-out after (version 6, 32 tasks x 4, never trained on): reward 0.250, tool use 0.95" in report
     assert "instance_lost" in report and report.count("\n| ") == 6 + 2
     assert "logprob gap over 5 steps (500 tokens): mean 1.0e-06, max 6.0e-06" in report
     for name in ("reward", "throughput", "occupancy"):

@@ -8,6 +8,7 @@ rank, the controller and a node agent, all real processes on loopback.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -24,6 +25,7 @@ from libra.job.loop import GrpoJob
 from libra.job.recorder import read_jsonl
 from libra.job.report import write_report
 from libra.job.run import load_job_config
+from libra.logs import LOG_DIR_ENV
 from libra.sim.trace import read_traces
 
 pytestmark = pytest.mark.multiprocess
@@ -93,9 +95,12 @@ def run_dir(tmp_path_factory, killed) -> Path:
     job = GrpoJob(config, job_config)
     killer = threading.Thread(target=_kill_an_instance_after, args=(job, run_dir, KILL_AFTER_STEP, killed))
     killer.start()
+    # Structured logs of every process the job starts (the agent passes its environment on).
+    os.environ[LOG_DIR_ENV] = str(run_dir / "logs")
     try:
         result = job.run()
     finally:
+        del os.environ[LOG_DIR_ENV]
         killed["stop"] = True
         killer.join()
     assert killed.get("worker") == "rollout-0", "the instance was never killed"
@@ -160,6 +165,18 @@ def test_run_folder_has_report_checkpoints_and_tensorboard(run_dir):
     assert (run_dir / "checkpoints" / "step_000008" / "job_state.json").is_file()
     assert (run_dir / "checkpoints" / f"step_{NUM_STEPS:06d}" / "job_state.json").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_every_worker_writes_structured_logs(run_dir):
+    by_process = {}
+    for path in (run_dir / "logs").glob("*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        by_process.setdefault(path.stem.rsplit("-", 1)[0], []).extend(records)  # <process>-<pid>
+    # Two instances at start and the restarted one; the train rank; the node agent.
+    assert {"agent", "rollout-instance", "train-rank-0"} <= set(by_process), sorted(by_process)
+    for records in by_process.values():
+        assert all({"time", "level", "logger", "pid", "message"} <= set(r) for r in records)
+    assert any("rollout instance serving" in r["message"] for r in by_process["rollout-instance"])
 
 
 def test_resume_continues_the_same_run(run_dir):

@@ -323,8 +323,13 @@ def test_device_map_lays_agents_end_to_end():
 
     state = ClusterState([agent("a", [1, 0]), agent("gone", [0], AgentState.LOST), agent("b", [0, 1])], [], 0)
     devices = DeviceMap.from_cluster_state(state)
-    assert devices.num_devices == 4
-    assert devices.locate((2, 3)) == ("b", (0, 1))
-    assert devices.global_devices("b", (1,)) == (3,)
+    # A lost agent keeps its place: b's devices keep the numbers they had while it lived.
+    assert devices.num_devices == 5
+    assert devices.locate((3, 4)) == ("b", (0, 1))
+    assert devices.global_devices("b", (1,)) == (4,)
+    assert devices.global_devices("gone", (0,)) == ()
+    assert [devices.usable(d) for d in range(6)] == [True, True, False, True, True, False]
+    with pytest.raises(ValueError, match="no longer alive"):
+        devices.locate((2,))
     with pytest.raises(ValueError, match="span agents"):
-        devices.locate((1, 2))
+        devices.locate((1, 3))

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from libra.backends.profiles import A800_SXM4_80GB
-from libra.planner.config import ClusterSpec, ModelArch, PlannerConfig, RequestRecord, TrainingBatch
+from libra.planner.config import (
+    QWEN3_14B,
+    ClusterSpec,
+    ModelArch,
+    PlannerConfig,
+    RequestRecord,
+    TrainingBatch,
+)
 from libra.planner.cost_model import EfficiencyFactors, TimeBreakdown, ring_allreduce_s
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
 
-QWEN3_14B = ModelArch(
-    num_layers=40,
-    hidden_size=5120,
-    num_attention_heads=40,
-    num_kv_heads=8,
-    ffn_hidden_size=17408,
-    vocab_size=151936,
-    head_dim=128,
-    num_params=14_770_000_000,
-)
 CLUSTER = ClusterSpec(6, 8, A800_SXM4_80GB)
 UNIT = EfficiencyFactors(compute=1.0, memory=1.0, communication=1.0)
 
@@ -182,3 +180,74 @@ def test_time_breakdown_is_linear_in_inverse_efficiency():
     f = EfficiencyFactors(compute=0.5, memory=0.25, communication=0.5, overhead_s=0.1)
     assert b.seconds(f) == pytest.approx(4 + 4 + 1 + 0.1)
     assert (b + b).seconds(f) == pytest.approx(2 * b.seconds(f))
+
+
+def _without_latency(cluster: ClusterSpec) -> ClusterSpec:
+    profile = cluster.profile.__class__(**{**cluster.profile.__dict__, "allreduce_latency_s": 0.0})
+    return ClusterSpec(cluster.num_nodes, cluster.devices_per_node, profile)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_decode_and_prefill_pay_two_all_reduce_latencies_per_layer(tp):
+    factors = EfficiencyFactors(compute=0.5, memory=0.8, communication=0.6, overhead_s=1e-4)
+    with_floor = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(), factors)
+    without = RolloutCostModel(_without_latency(CLUSTER), QWEN3_14B, PlannerConfig(), factors)
+    # 40 layers x (attention + MLP output) x 8 us on A800; nothing at TP 1 (no collective);
+    # not scaled by the communication efficiency (a measured floor, not a share of a peak).
+    expected = 2 * 40 * 8e-6 if tp > 1 else 0.0
+    for batch, context in ((1, 100), (64, 4000)):
+        added = with_floor.decode_step(tp, batch, context).seconds(factors) - without.decode_step(
+            tp, batch, context
+        ).seconds(factors)
+        assert added == pytest.approx(expected, abs=1e-12)
+    base_with, _, _ = with_floor.decode_coefficients(tp)
+    base_without, _, _ = without.decode_coefficients(tp)
+    assert base_with - base_without == pytest.approx(expected, abs=1e-12)  # the floor is per step
+    prefill = with_floor.prefill(tp, 10_000)
+    assert prefill.latency_s == pytest.approx(expected)
+    # Bytes of the prefill's all-reduces: 10k tokens x 5120 x bf16, ring 2 (tp-1)/tp, twice a layer.
+    ring = 2 * (tp - 1) / tp * 10_000 * 5120 * 2 / 400e9
+    assert prefill.communication_s == pytest.approx(2 * 40 * ring)
+    assert with_floor.prefill_seconds(tp, np.array([10_000.0]))[0] == pytest.approx(prefill.seconds(factors))
+
+
+def test_latency_floor_favours_small_tp_on_light_batches_only():
+    """Per device, a TP-k instance of B sequences makes B / (k step) tokens per second. At one
+    sequence per device the floor narrows TP-8's lead over TP-2 (fewer weight bytes per device
+    against 80 more latencies per step); at full batches it does not matter."""
+    cost = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(), EfficiencyFactors())
+    flat = RolloutCostModel(_without_latency(CLUSTER), QWEN3_14B, PlannerConfig(), EfficiencyFactors())
+
+    def per_device_rate(model: RolloutCostModel, tp: int, per_device: float) -> float:
+        batch = tp * per_device
+        return batch / (tp * model.decode_step(tp, batch, 4000).seconds(model.factors))
+
+    light_ratio = per_device_rate(cost, 8, 1) / per_device_rate(cost, 2, 1)
+    light_ratio_flat = per_device_rate(flat, 8, 1) / per_device_rate(flat, 2, 1)
+    assert light_ratio < light_ratio_flat
+    heavy = per_device_rate(cost, 8, 32) / per_device_rate(flat, 8, 32)
+    assert heavy > 0.97  # the floor is a few percent of a full batch's step
+
+
+def test_training_step_pays_tp_latency_per_layer_pass():
+    batch = TrainingBatch(global_batch=64, group_size=4, activation_recompute=True)
+    seqs = SequenceStats(4000.0, 4000.0**2, 8000)
+    cfg = TrainingConfig(tp=4, pp=2, dp=2, micro_batch=1)
+    with_floor = TrainingCostModel(CLUSTER, QWEN3_14B, batch, PlannerConfig(), EfficiencyFactors())
+    without = TrainingCostModel(
+        _without_latency(CLUSTER), QWEN3_14B, batch, PlannerConfig(), EfficiencyFactors()
+    )
+    slots = 64 // (2 * 1) + 2 - 1
+    # Per slot: forward, log-prob recompute forward and backward, 2 all-reduces per layer of the
+    # stage's 20 layers each.
+    expected = slots * 3 * 2 * 20 * 8e-6
+    assert with_floor.step_s(cfg, seqs) - without.step_s(cfg, seqs) == pytest.approx(expected)
+    single = TrainingConfig(tp=1, pp=2, dp=8, micro_batch=1)
+    assert with_floor.step_s(single, seqs) == without.step_s(single, seqs)
+
+
+def test_time_breakdown_latency_adds_unscaled():
+    b = TimeBreakdown(1.0, 1.0, 1.0, 1.0, latency_s=0.25)
+    assert b.seconds(EfficiencyFactors(0.5, 0.5, 0.5, 0.1)) == pytest.approx(6.1 + 0.25)
+    assert (b + b).latency_s == 0.5 and b.scaled(3).latency_s == 0.75
+    assert list(b.features()) == [1.0, 1.0, 1.0, 1.0]  # calibration's columns exclude the floor

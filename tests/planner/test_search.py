@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 
-from libra.planner.config import load_problem
+from libra.backends.profiles import A800_SXM4_80GB
+from libra.planner.config import ClusterSpec, PlanningProblem, load_problem
 from libra.planner.search import (
     DEFAULT_ROLLOUT_FACTORS,
     DEFAULT_TRAIN_FACTORS,
     NoFeasiblePlan,
+    RolloutSpace,
     build_rollout_space,
     search,
 )
 from libra.planner.training_cost import SequenceStats, TrainingCostModel
+from libra.planner.workload import synthetic_history
 from tests.planner.helpers import brute_force_optimum, random_problem
 
 NUM_RANDOM_CLUSTERS = 100
+search_module = sys.modules["libra.planner.search"]  # the package re-exports the function `search`
 
 
 def check_constraints(problem, plan) -> None:
@@ -106,3 +113,77 @@ def test_sample_config_plans_within_constraints():
     plan = search(problem)
     check_constraints(problem, plan)
     assert plan.predicted_step_s < math.inf and plan.num_devices == 48
+
+
+def _reference_search(problem, **kwargs):
+    """`search` with the fast path off: every device count from the full DP with its choices
+    (`RolloutSpace.min_devices`), no memo, and a fresh space for every round -- the code as it
+    was before the device-count fast path."""
+    patch = pytest.MonkeyPatch()
+    original = search_module._search_space
+    patch.setattr(RolloutSpace, "min_device_count", lambda self, t, cap=None: self.min_devices(t, cap)[0])
+    patch.setattr(
+        search_module,
+        "_search_space",
+        lambda problem, candidates, factors, devices, tolerance=None, spaces=None: original(
+            problem, candidates, factors, devices, tolerance, None
+        ),
+    )
+    try:
+        return search(problem, **kwargs)
+    finally:
+        patch.undo()
+
+
+def _problem_at(num_devices: int, seed: int = 0) -> PlanningProblem:
+    sample = load_problem("configs/planner_qwen3_14b_48xa800.py")
+    return dataclasses.replace(
+        sample,
+        cluster=ClusterSpec(num_devices // 8, 8, A800_SXM4_80GB),
+        history=synthetic_history(256, seed=seed, median_output_tokens=1500, sigma=0.8),
+    )
+
+
+def _same_plan(a, b) -> bool:
+    return (a.training, a.instances, a.buckets, a.predicted_train_s, a.predicted_rollout_s) == (
+        b.training,
+        b.instances,
+        b.buckets,
+        b.predicted_train_s,
+        b.predicted_rollout_s,
+    )
+
+
+@pytest.mark.parametrize("num_devices, seed", [(48, 0), (48, 3), (160, 1), (1024, 2)])
+def test_fast_path_returns_the_reference_plan_at_scale(num_devices, seed):
+    """Fixed inputs like benchmarks/planner.py's: the plan -- layout, buckets, predictions to the
+    last bit -- is the one the reference path returns."""
+    problem = _problem_at(num_devices, seed)
+    assert _same_plan(search(problem), _reference_search(problem))
+
+
+@pytest.mark.parametrize("seed", range(0, NUM_RANDOM_CLUSTERS, 5))
+def test_fast_path_returns_the_reference_plan_on_small_clusters(seed):
+    problem = random_problem(seed)
+    for kwargs in ({}, {"rollout_devices": problem.cluster.num_devices // 2}):
+        try:
+            fast = search(problem, **kwargs)
+        except NoFeasiblePlan:
+            with pytest.raises(NoFeasiblePlan):
+                _reference_search(problem, **kwargs)
+            continue
+        assert _same_plan(fast, _reference_search(problem, **kwargs))
+
+
+def test_device_count_equals_the_full_dp_bit_for_bit():
+    rng = np.random.default_rng(0)
+    for seed in range(10):
+        problem = _problem_at(48, seed) if seed < 3 else random_problem(seed)
+        space = build_rollout_space(problem, DEFAULT_ROLLOUT_FACTORS, problem.cluster.num_devices // 2)
+        if not space.tp_sizes:
+            continue
+        for target in space.upper_bound * rng.uniform(0.0005, 1.2, size=40):
+            for cap in (None, float(target) * rng.uniform(1.0, 3.0)):
+                full = space.min_devices(float(target), cap)[0]
+                assert space.min_device_count(float(target), cap) == full
+                assert space.min_device_count(float(target), cap) == full  # the remembered one

@@ -24,6 +24,8 @@ from libra.backends import get_backend
 from libra.config import BackendConfig, ControlConfig, LibraConfig
 from libra.control import ClusterClient, Controller, WorkerRole, WorkerSpec, WorkerStatus
 from libra.control.types import AgentState
+from libra.rollout.config import InstanceConfig
+from libra.rollout.instance_server import instance_argv as server_argv
 from tests.control.helpers import wait_for
 from tests.rollout.scripted_model import train_scripted_model
 
@@ -64,17 +66,7 @@ class InstanceProcess:
 
 
 def instance_argv(model_dir: Path, address_file: Path, max_model_len: int = MAX_MODEL_LEN) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "libra.rollout.instance_server",
-        "--model",
-        str(model_dir),
-        "--address-file",
-        str(address_file),
-        "--max-model-len",
-        str(max_model_len),
-    ]
+    return server_argv(InstanceConfig(model=str(model_dir), max_model_len=max_model_len), address_file)
 
 
 def spawn_instance(

@@ -127,7 +127,11 @@ def test_pause_abort_preempts_and_abort_ends_requests(instances, tokenizer):
             assert await client.pause(PauseMode.ABORT) == 1
             preempted = await task
             await client.resume()
-            task = asyncio.create_task(client.generate("aborted", prompt, _long_sampling(400)))
+            # Streamed, like the preempted call: an unstreamed call runs so much faster that under
+            # load it can reach its 400 tokens before the Abort lands (its own test waits less).
+            task = asyncio.create_task(
+                client.generate("aborted", prompt, _long_sampling(400), chunk_tokens=1)
+            )
             while (await client.stats()).num_active_requests == 0:
                 await asyncio.sleep(0.005)
             assert await client.abort(["aborted", "no-such-request"]) == 1
@@ -141,6 +145,83 @@ def test_pause_abort_preempts_and_abort_ends_requests(instances, tokenizer):
     assert stats.num_active_requests == 0 and not stats.paused
     assert stats.max_model_len == MAX_MODEL_LEN and stats.tensor_parallel_size == 1
     assert stats.num_generated_tokens >= len(preempted.token_ids) + len(aborted.token_ids)
+
+
+def _assert_prefix_of(segment, reference, min_tokens: int) -> None:
+    """`segment` holds the first tokens of `reference` (greedy, same prompt) and their logprobs."""
+    tokens = segment.token_ids
+    assert min_tokens <= len(tokens) < len(reference.token_ids)
+    assert tokens == reference.token_ids[: len(tokens)]
+    logprobs = [lp for chunk in segment.chunks for lp in chunk.logprobs]
+    expected = [lp for chunk in reference.chunks for lp in chunk.logprobs][: len(tokens)]
+    assert logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_unstreamed_calls_keep_their_tokens_when_preempted_or_aborted(instances, tokenizer):
+    """chunk_tokens=0 runs on vLLM's FINAL_ONLY outputs (no wake-up per token): a call cut by a
+    Pause in ABORT mode or an Abort still returns every token it produced, with its logprobs."""
+    prompt = _encode_prompts(tokenizer)[0]
+
+    async def scenario():
+        client = InstanceClient(instances[1].address, TOKEN)
+        try:
+            reference = await client.generate("final-ref", prompt, _long_sampling(400))
+            version = (await client.stats()).weight_version
+            interrupts = {
+                "final-preempt": lambda: client.pause(PauseMode.ABORT),
+                "final-abort": lambda: client.abort(["final-abort"]),
+            }
+            cut = {}
+            for request_id, interrupt in interrupts.items():
+                generated = (await client.stats()).num_generated_tokens
+                task = asyncio.create_task(client.generate(request_id, prompt, _long_sampling(400)))
+                while (await client.stats()).num_generated_tokens < generated + 8:
+                    await asyncio.sleep(0.005)
+                assert await interrupt() == 1
+                cut[request_id] = await task
+                await client.resume()
+            return reference, version, cut
+        finally:
+            await client.close()
+
+    reference, version, cut = run(scenario())
+    assert cut["final-preempt"].finish_reason == FinishReason.PREEMPTED
+    assert cut["final-abort"].finish_reason == FinishReason.ABORT
+    for segment in cut.values():
+        _assert_prefix_of(segment, reference, min_tokens=8)
+        assert {c.weight_version for c in segment.chunks} == {version}
+
+
+def test_unstreamed_call_across_a_version_change_tags_each_token(instances, tokenizer):
+    """A call paused in KEEP mode and resumed under a new version comes back as one reply whose
+    chunks split its tokens where the version changed (vLLM labels each step's tokens)."""
+    prompt = _encode_prompts(tokenizer)[3]
+
+    async def scenario():
+        client = InstanceClient(instances[1].address, TOKEN)
+        try:
+            reference = await client.generate("final-keep-ref", prompt, _long_sampling(400))
+            stats = await client.stats()
+            task = asyncio.create_task(client.generate("final-keep", prompt, _long_sampling(400)))
+            while (await client.stats()).num_generated_tokens < stats.num_generated_tokens + 8:
+                await asyncio.sleep(0.005)
+            assert await client.pause(PauseMode.KEEP) == 1
+            await asyncio.sleep(0.1)
+            frozen = (await client.stats()).num_generated_tokens
+            await asyncio.sleep(0.2)
+            assert (await client.stats()).num_generated_tokens == frozen  # paused: nothing sampled
+            assert await client.resume(weight_version=stats.weight_version + 1) == stats.weight_version + 1
+            return reference, stats.weight_version, await task
+        finally:
+            await client.close()
+
+    reference, version, segment = run(scenario())
+    assert segment.finish_reason == FinishReason.LENGTH
+    assert [c.weight_version for c in segment.chunks] == [version, version + 1]
+    assert len(segment.chunks[0].token_ids) >= 8
+    assert segment.token_ids == reference.token_ids
+    logprobs = [lp for chunk in segment.chunks for lp in chunk.logprobs]
+    assert logprobs == pytest.approx([lp for c in reference.chunks for lp in c.logprobs], abs=1e-4)
 
 
 def test_refuses_bad_requests_and_missing_tokens(instances):

@@ -148,3 +148,62 @@ def test_bucket_update_moves_a_running_turn_and_keeps_its_tokens():
     assert moved == 1 and traj.instance == 1 and 0 < traj.carried < 500
     cluster.run_until(lambda: False)
     assert [t.trajectory_id for t in done] == ["a"] and cluster.num_migrations == 1
+
+
+def _migrating_cluster(migration: str, second_devices: tuple[int, ...], bandwidth: float = 0.0):
+    """i0 (TP-1, device 0) serves short paths, i1 (TP-2) long ones; the router has learnt that
+    after the tool return 500 tokens remain, so turn 2 of a trajectory migrates to i1."""
+    config = tiny_config()
+    cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS)
+    cmlfq = CmlfqConfig(
+        buckets=(BucketConfig("a", 1, 100), BucketConfig("b", 2, 100000)), max_queue_length=100
+    )
+    router = CmlfqRouter(cmlfq)
+    cluster = RolloutCluster(
+        router, cmlfq, cost, max_batch=256, migration=migration, kv_move_bandwidth_bytes_per_s=bandwidth
+    )
+    cluster.add_instance("i0", 1, 0, (0,), ready_at=0.0)
+    cluster.add_instance("i1", 2, 1, second_devices, ready_at=0.0)
+    state = ToolReturnState.of("tool", ToolStatus.FAILURE, 20, cmlfq)
+    for n in range(3):
+        router.admit(f"learned{n}", "p0")
+        router.on_tool_return(f"learned{n}", state, 100)
+        router.on_finish(f"learned{n}", 600)
+    done = []
+    cluster.on_finish = done.append
+    cluster.start(trace("a", [100, 500], prompt=10, payload=20, tool_latency=0.5))
+    cluster.run_until(lambda: False)
+    assert [t.trajectory_id for t in done] == ["a"] and cluster.num_migrations == 1
+    return cluster, cost, done[0].finished_at
+
+
+@pytest.mark.parametrize("second_devices, link", [((4, 5), "inter"), ((2, 3), "intra")])
+def test_kv_move_pays_the_transfer_instead_of_the_re_prefill(second_devices, link):
+    reprefill, cost, t_reprefill = _migrating_cluster("reprefill", second_devices)
+    moved, _, t_moved = _migrating_cluster("kv_move", second_devices)
+    m, profile = cost.model, cost.cluster.profile
+    context = 10 + 100  # the prompt and turn 1's output, held by i0 when the tool returns
+    kv_bytes = context * 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.bytes_per_param
+    bandwidth = (
+        profile.inter_node_bandwidth_bytes_per_s
+        if link == "inter"
+        else profile.intra_node_bandwidth_bytes_per_s
+    )
+    move_s = kv_bytes / (1 * bandwidth)  # min(TP-1, TP-2) = one link
+    assert moved.migration_s == pytest.approx(move_s) and reprefill.migration_s == 0.0
+    # Re-prefill: the whole context plus the tool return on i1; KV move: the transfer plus only
+    # the tool return.
+    expected_gap = prefill(cost, context + 20, tp=2) - (move_s + prefill(cost, 20, tp=2))
+    assert t_reprefill - t_moved == pytest.approx(expected_gap, rel=1e-6)
+    configured, _, _ = _migrating_cluster("kv_move", second_devices, bandwidth=1e9)
+    assert configured.migration_s == pytest.approx(kv_bytes / 1e9)
+
+
+def test_kv_move_from_a_stopped_instance_re_prefills():
+    cluster, cost = make_cluster(num_instances=2)
+    cluster.migration = "kv_move"
+    for i in range(4):
+        cluster.start(trace(f"t{i}", [200], prompt=10))
+    cluster.schedule(0.05, cluster.remove_instance, 0)
+    cluster.run_until(lambda: False)
+    assert cluster.num_migrations >= 1 and cluster.migration_s == 0.0  # nothing left to move from

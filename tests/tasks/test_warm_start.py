@@ -20,12 +20,14 @@ from libra.rollout.tools.base import ToolCall
 from libra.rollout.types import SamplingSpec
 from libra.tasks.procedural import generate_suite
 from libra.tasks.sft import (
+    DIRECT_ANSWER_LEAD,
     IGNORE_INDEX,
     Example,
     make_batches,
     python_printed_results,
     render_checked,
     render_demonstrations,
+    render_direct_answer,
     render_example,
     tool_call_text,
 )
@@ -131,6 +133,8 @@ def test_tokenizer_keeps_easy_demonstrations_short(tokenizer):
         ({"success_low": 0.6, "success_high": 0.5}, "success_low"),
         ({"batch_tokens": 100}, "batch_tokens"),
         ({"difficulty": "hard"}, "difficulty"),
+        ({"direct_answer_fraction": 1.0}, "direct_answer_fraction"),
+        ({"direct_answer_fraction": -0.1}, "direct_answer_fraction"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, field):
@@ -147,6 +151,7 @@ def test_cache_key_is_a_function_of_every_input():
         dataclasses.replace(base, num_train_tasks=base.num_train_tasks + 1),
         dataclasses.replace(base, learning_rate=base.learning_rate * 2),
         dataclasses.replace(base, stop_at_success=base.success_low),
+        dataclasses.replace(base, direct_answer_fraction=0.0),
     ]
     keys = {cache_key(c) for c in changed}
     assert cache_key(base) not in keys and len(keys) == len(changed)
@@ -176,6 +181,24 @@ def test_rendered_demonstration_is_the_agent_loops_token_sequence(tokenizer):
     final = tokenizer.encode(task.final_response, add_special_tokens=False) + [chat.eos_id]
     assert example.token_ids == expected + final
     assert example.loss_mask == expected_mask + [1] * len(final)
+
+
+def test_direct_answer_trains_the_choice_and_the_frame_not_the_value(tokenizer):
+    """No call: the prompt, then the lead words and the answer tags with loss, the value without
+    (a guessed value would teach the answer token to ignore the tool result it copies)."""
+    chat = ChatFormat(tokenizer, tools=())
+    task = generate_suite(1, seed=0, family="arithmetic", difficulty="easy").tasks[0]
+    example = render_direct_answer(chat, task)
+    prompt = chat.prompt_ids([{"role": "user", "content": task.record.prompt}])
+    assert example.token_ids[: len(prompt)] == prompt and not any(example.loss_mask[: len(prompt)])
+    answer = example.token_ids[len(prompt) :]
+    assert answer[-1] == chat.eos_id
+    assert tokenizer.decode(answer, skip_special_tokens=True) == DIRECT_ANSWER_LEAD + task.final_response
+    value = tokenizer.encode(task.record.ground_truth, add_special_tokens=False)
+    untrained = [t for t, m in zip(answer, example.loss_mask[len(prompt) :], strict=True) if not m]
+    assert untrained == value
+    # The first model token is not the one the tool path's final turns open with.
+    assert tokenizer.decode(answer[:1]).strip() != "<"
 
 
 def test_render_refuses_a_result_count_that_does_not_match(tokenizer):
@@ -219,6 +242,25 @@ def test_batches_cover_an_epoch_with_masked_labels_and_a_token_cap():
             assert int(batch.attention_mask[row].sum()) == cut
         assert batch.num_loss_tokens == int((batch.labels != IGNORE_INDEX).sum())
     assert rows == len(examples)
+
+
+def test_group_lengths_decide_which_examples_share_a_batch():
+    """Short examples grouped by another length join the batches of that length, in their share,
+    instead of forming batches of their own."""
+    short = [Example([1] * 4, [1] * 4) for _ in range(8)]
+    long = [Example([2] * 30, [1] * 30) for _ in range(8)]
+    examples = short + long
+
+    def kinds(batches):
+        return [sorted({int(row[0]) for row in b.input_ids}) for b in batches]
+
+    own = make_batches(examples, max_tokens=128, max_length=40, pad_token_id=0, rng=random.Random(0))
+    assert [1] in kinds(own)  # by their own lengths the short ones form a batch of their own
+    paired = [30] * 16  # each short example grouped as if it were a long one
+    mixed = make_batches(examples, 128, 40, 0, random.Random(0), group_lengths=paired)
+    assert all(kind == [1, 2] for kind in kinds(mixed) if len(kind) > 0) and len(kinds(mixed)) == 4
+    with pytest.raises(ValueError, match="group lengths"):
+        make_batches(examples, 128, 40, 0, random.Random(0), group_lengths=[30])
 
 
 # ---------------------------------------------------------------- the in-process engine

@@ -1,0 +1,627 @@
+"""The global planner inside the job: its inputs from the job's own measurements, and its plans
+carried out on the live cluster.
+
+The controller owns the `Planner` (it serves GetPlan / ProposePlan / SetPlannerPolicy and
+publishes plan events); the job feeds it and executes what it adopts:
+
+    launch     the layout the job started (training on the first devices, rollout instances
+               after them) becomes the planner's current plan, proposed like any external plan
+    each step  the finished trajectories become the planner's request history; the step's
+               measured train and rollout times, the routers' load and the stale drops are one
+               `StepObservation` (the planner's triggers, warm-up, cooldown, hysteresis and apply
+               rule decide whether it searches and adopts)
+    adopted    whenever the planner's plan version moved past the one the job executed (its own
+               adoption, or an external ProposePlan), the diff between the two is carried out by
+               `ActionExecutor` on a thread while training keeps stepping; the next plan waits
+               until that one is done
+    failed     the plan the cluster actually runs afterwards (the executor's instances, the
+               pool's buckets) is proposed back, so the planner's current plan is the truth
+
+Every plan event (adopted, proposed, rejected, vetoed, each executed action) is mirrored from the
+controller's event log into the run's `events.jsonl`, where the report shows them.
+
+Training grows and shrinks through the elastic hybrid pool: when the core is one rank (TP = PP =
+DP = 1) it hosts the pool's lane, a plan's JoinHybridReplica starts a hybrid replica through the
+node agent on the devices rollout gave up (the core rank's RequestJoin / RequestRelease RPCs), and
+the job follows the lane's state each step (`hybrid_*` events); a replica that rolled back (its
+process died, a timeout) is retired and the planner reconciled, while the core keeps training.
+
+Node loss: an instance whose node agent was lost is not restarted; the plan loses it, the planner
+is reconciled, and plans that would start a worker on a lost agent's devices are refused.
+
+What the job cannot carry out is refused before anything runs, and the planner reconciled to the
+running layout: a plan that restarts training in a new layout (checkpoint, new ranks, load), and
+hybrid moves when the core is larger than one rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from libra.config import LibraConfig
+from libra.control import ClusterClient
+from libra.control.types import EventKind
+from libra.job.config import JobConfig
+from libra.planner.actions import ActionExecutor, ExecutionReport, describe_action
+from libra.planner.config import ClusterSpec, ModelArch, PlanningProblem, RequestRecord, TrainingBatch
+from libra.planner.controls import HybridJoin, LaunchSpec
+from libra.planner.device_map import DeviceMap
+from libra.planner.diff import (
+    Action,
+    JoinHybridReplica,
+    ReleaseHybridReplica,
+    RestartTraining,
+    StartRolloutInstance,
+    diff_plans,
+)
+from libra.planner.evaluate import evaluate_plan
+from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacement
+from libra.planner.training_cost import TrainingConfig
+from libra.planner.triggers import StepObservation
+from libra.rollout.plan_control import PoolRolloutControl
+from libra.sim.trace import TrajectoryTrace
+
+if TYPE_CHECKING:
+    from libra.job.recorder import RunRecorder
+    from libra.job.setup import JobWorkers
+
+logger = logging.getLogger(__name__)
+
+PLAN_EVENT_KINDS = {
+    EventKind.PLAN_APPLIED: "plan_applied",
+    EventKind.PLAN_PROPOSED: "plan_proposed",
+    EventKind.PLAN_REJECTED: "plan_rejected",
+    EventKind.PLAN_VETOED: "plan_vetoed",
+    EventKind.PLAN_EXECUTED: "plan_action",
+}
+"""Controller event kind -> the run's event kind."""
+_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+# -- the planner's inputs ----------------------------------------------------------------------
+
+
+def model_arch(model_dir: Path, dtype: str) -> ModelArch:
+    """The planner's view of an HF (Llama / Qwen2 layout) model folder."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        return ModelArch(
+            num_layers=raw["num_hidden_layers"],
+            hidden_size=raw["hidden_size"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            ffn_hidden_size=raw["intermediate_size"],
+            vocab_size=raw["vocab_size"],
+            head_dim=raw.get("head_dim") or 0,
+            bytes_per_param=_BYTES_PER_DTYPE.get(dtype if dtype != "auto" else raw.get("dtype", ""), 2),
+        )
+    except KeyError as e:
+        raise ValueError(f"{model_dir}/config.json lacks {e}, which the planner's model needs") from None
+
+
+def cluster_spec(devices_per_agent: int, num_agents: int, profile) -> ClusterSpec:
+    """Agents as planner nodes when they hold a power of two devices each; otherwise (the 3-slot
+    CPU default) every device is its own node, which keeps the planner's numbering (node-major,
+    device d = the d-th device of the agents laid end to end) and restricts rollout to TP-1."""
+    if devices_per_agent >= 1 and devices_per_agent & (devices_per_agent - 1) == 0:
+        return ClusterSpec(num_agents, devices_per_agent, profile)
+    return ClusterSpec(num_agents * devices_per_agent, 1, profile)
+
+
+def request_record(trace: TrajectoryTrace) -> RequestRecord:
+    """What rollout did for one finished trajectory: every prefilled token (the prompt and the
+    tool results), every decoded one, its turns and its time in tools."""
+    return RequestRecord(
+        trace.prompt_tokens + trace.payload_tokens, trace.output_tokens, len(trace.turns), trace.tool_time_s
+    )
+
+
+def planning_problem(config: LibraConfig, job: JobConfig, model_dir: Path) -> PlanningProblem:
+    """The job's planning problem before launch. The cluster is sized from the backend (its
+    devices per agent, `job.num_agents` agents); the history is one seed request (a turn at the
+    per-turn cap) that the measured trajectories replace before the first search can run (the
+    policy's `min_history`)."""
+    from libra.backends import get_backend
+
+    backend = get_backend(config.backend.name, **config.backend.options())
+    profile = backend.hardware_profile()
+    cluster = cluster_spec(profile.devices_per_node, job.num_agents, profile)
+    turn = config.rollout.agent.max_tokens_per_turn
+    return PlanningProblem(
+        cluster=cluster,
+        model=model_arch(model_dir, config.rollout.instance.dtype),
+        # One micro-batch size: the trainer forms token-balanced micro-batches itself, and a
+        # plan that differed from the running one only in it would need a training restart.
+        batch=TrainingBatch(
+            global_batch=job.batch_size,
+            group_size=job.group_size,
+            micro_batch_sizes=(1,),
+            max_staleness=config.training.max_staleness,
+        ),
+        history=(RequestRecord(turn, turn),),
+        config=config.planner,
+    )
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One step as the loop measured it."""
+
+    step: int
+    wait_s: float
+    """The loop waited this long for the step's batch (rollout was behind)."""
+    train_s: float
+    """Training and weight publication."""
+    num_dropped_stale: int
+
+
+# -- the seams the executor drives -------------------------------------------------------------
+
+
+class JobLauncher:
+    """`WorkerLauncher`: rollout instances as the job starts its own (same command line)."""
+
+    def __init__(self, workers: JobWorkers):
+        self.workers = workers
+        self._count = 0
+        self.ready_files: dict[str, Path] = {}
+        """Plan instance id -> the address file of its newest start."""
+
+    def rollout_instance(self, action: StartRolloutInstance) -> LaunchSpec:
+        cluster = self.workers.cluster
+        agent_id, _ = DeviceMap.from_cluster_state(cluster.controller.cluster.snapshot()).locate(
+            action.devices
+        )
+        self._count += 1
+        address_file = self.workers.run_dir / f"plan-{action.instance_id}-{self._count}.addr"
+        self.ready_files[action.instance_id] = address_file
+        argv = self.workers.rollout_argv(action.tp, cluster.agent_host(agent_id), address_file)
+        env = {"LIBRA_TOKEN": cluster.token, "PYTHONWARNINGS": "ignore"}
+        return LaunchSpec(tuple(argv), env, os.getcwd(), str(address_file))
+
+    def hybrid_replica(self, action: JoinHybridReplica, join: HybridJoin) -> LaunchSpec:
+        """A hybrid DP replica (`libra.training.hybrid_worker`) following the core rank's lane."""
+        import sys
+
+        from libra.job.workers import training_json
+
+        workers = self.workers
+        self._count += 1
+        ready_file = workers.run_dir / f"hybrid-{action.replica}-g{join.generation}-{self._count}.ready"
+        argv = [
+            sys.executable,
+            "-m",
+            "libra.training.hybrid_worker",
+            "--hf-model",
+            str(workers.model_dir),
+            "--lane",
+            join.lane_address,
+            "--replica",
+            str(action.replica),
+            "--generation",
+            str(join.generation),
+            "--training",
+            training_json(workers.config.training),
+            "--backend",
+            workers.config.backend.name,
+            "--ready-file",
+            str(ready_file),
+        ]
+        env = {"LIBRA_TOKEN": workers.cluster.token, "PYTHONWARNINGS": "ignore"}
+        return LaunchSpec(tuple(argv), env, os.getcwd(), str(ready_file))
+
+
+class FixedTraining:
+    """`TrainingControl` (and, without a lane, `HybridControl`) of a job whose core training
+    layout stays as launched: plans that need it are refused before execution, so reaching any
+    method is a bug."""
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError("the job keeps its core training layout: a training restart is not supported yet")
+
+    checkpoint = stop_training = start_training = load_checkpoint = _refuse
+    request_join = cancel_join = request_release = _refuse
+
+
+class RankHybridControl:
+    """`HybridControl` over the core train rank's RPCs (RequestJoin, CancelJoin, RequestRelease),
+    plus the lane's state for the job to follow."""
+
+    def __init__(self, address: str, token: str, control):
+        from libra.control.auth import open_channel
+        from libra.v1 import training_pb2, training_pb2_grpc
+
+        self._pb = training_pb2
+        self._channel = open_channel(address, token, control)
+        self._stub = training_pb2_grpc.TrainRankStub(self._channel)
+
+    def request_join(self, replica: int) -> HybridJoin:
+        reply = self._stub.RequestJoin(self._pb.RequestJoinRequest(replica=replica), timeout=600)
+        return HybridJoin(reply.generation, reply.lane_address)
+
+    def cancel_join(self, replica: int, generation: int, reason: str) -> None:
+        request = self._pb.CancelJoinRequest(replica=replica, generation=generation, reason=reason)
+        self._stub.CancelJoin(request, timeout=600)
+
+    def request_release(self, replica: int) -> None:
+        self._stub.RequestRelease(self._pb.RequestReleaseRequest(replica=replica), timeout=600)
+
+    def state(self):
+        """The lane's HybridStateReply (replica, generation, state name, counters)."""
+        return self._stub.GetHybridState(self._pb.GetHybridStateRequest(), timeout=60)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def unsupported(actions: list[Action], hybrids: bool) -> list[Action]:
+    """The actions the job cannot carry out: a training restart, and hybrid moves without a lane."""
+    moves = (RestartTraining,) if hybrids else (RestartTraining, JoinHybridReplica, ReleaseHybridReplica)
+    return [a for a in actions if isinstance(a, moves)]
+
+
+# -- the planner in the loop -------------------------------------------------------------------
+
+
+class JobPlanning:
+    """Feeds the controller's planner at step boundaries and executes its plans (see the module
+    docstring). Lives on the job's event loop; the executor runs on a thread."""
+
+    def __init__(self, workers: JobWorkers, recorder: RunRecorder):
+        controller = workers.cluster.controller
+        if controller is None or controller.planner is None:
+            raise RuntimeError("the controller runs no planner: start the cluster with a planning problem")
+        self.workers, self.recorder = workers, recorder
+        self.planner = controller.planner
+        self.events = controller.events
+        self._event_sequence = 0
+        self.history: collections.deque[RequestRecord] = collections.deque(
+            maxlen=self.planner.policy.max_history
+        )
+        self.rejected_total = 0
+        self.enabled = True
+        self.executed_plan: Plan | None = None
+        self.executed_version = 0
+        self._execution: asyncio.Task[ExecutionReport] | None = None
+        self._target: tuple[Plan, int] | None = None
+        self.launcher = JobLauncher(workers)
+        self.rollout = PoolRolloutControl(
+            workers.pool,
+            asyncio.get_running_loop(),
+            self._add_instance,
+            remove_instance_coro=workers.forget_instance,
+        )
+        self._client = ClusterClient(controller.address, workers.token, workers.config.control)
+        self.hybrids = (
+            RankHybridControl(workers.train_addresses[0], workers.token, workers.config.control)
+            if getattr(workers, "hosts_hybrid_lane", False)
+            else None
+        )
+        self._pending_reconcile = ""
+        """Why the planner must be reconciled at the next step boundary ("" : no need)."""
+        self._lane_seen: tuple[int, str] = (0, "")
+        """(generation, state) of the lane as last recorded."""
+        self.executor = ActionExecutor(
+            self._client,
+            self.rollout,
+            FixedTraining(),
+            self.hybrids or FixedTraining(),
+            self.launcher,
+            workers.config.planner.execution,
+            events=self.events,
+        )
+
+    # -- launch ----------------------------------------------------------------------------------
+
+    def adopt_launch_layout(self) -> None:
+        """Registers the job's instances with the executor and the id map, and makes the running
+        layout the planner's current plan. A layout the planner cannot describe (its device
+        count or alignment) turns planning off for the run, with an event saying why."""
+        state = self.workers.cluster.controller.cluster.snapshot()
+        devices = DeviceMap.from_cluster_state(state)
+        problem_devices = self.workers.planning_problem.cluster.num_devices
+        if devices.num_devices != problem_devices:
+            self._disable(
+                f"the agents hold {devices.num_devices} devices, the planner was sized for {problem_devices}"
+            )
+            return
+        for instance_id, (worker_id, tp) in sorted(self.workers.instances.items()):
+            placement = self.workers.cluster.workers[worker_id]
+            global_devices = devices.global_devices(placement.agent_id, placement.devices)
+            plan_id = plan_instance_id(tp, global_devices)
+            address = self.workers.pool.get(instance_id).client.address
+            self.executor.adopt_instance(plan_id, worker_id, tp, global_devices, address)
+            self.rollout.bind(plan_id, instance_id)
+        try:
+            adoption = self.planner.propose(self.running_plan(), "the job's launch layout")
+        except ValueError as e:
+            self._disable(f"the launch layout is no plan the planner can hold: {e}")
+            return
+        self.executed_plan, self.executed_version = adoption.plan, adoption.version
+        self._mirror_events()
+
+    def running_plan(self) -> Plan:
+        """The layout the cluster runs now: the launched training, the executor's instances, the
+        pool's bucket thresholds for the TP sizes that have instances."""
+        training = self.workers.config.training
+        dp = training.world_size // (training.tensor_parallel * training.pipeline_parallel)
+        hybrids = tuple(sorted(self.executor.running_hybrids()))
+        placement = TrainingPlacement(
+            TrainingConfig(training.tensor_parallel, training.pipeline_parallel, dp + len(hybrids), 1),
+            first_device=0,
+            hybrid_replicas=hybrids,
+        )
+        cluster = self.workers.planning_problem.cluster
+        instances = tuple(
+            RolloutInstance(plan_id, w.tp, w.devices, w.devices[0] // cluster.devices_per_node)
+            for plan_id, w in sorted(self.executor.running_instances().items())
+        )
+        counts = collections.Counter(i.tp for i in instances)
+        buckets = tuple(
+            BucketPlan(b.tp_size, counts[b.tp_size], b.max_remaining_tokens, 0, 0.0)
+            for b in sorted(self.workers.pool.buckets, key=lambda b: b.tp_size)
+            if counts[b.tp_size]
+        )
+        return Plan(cluster.num_devices, placement, instances, buckets, 0.0, 0.0)
+
+    # -- each step -------------------------------------------------------------------------------
+
+    def record(self, traces) -> None:
+        """The traces of a finished group join the history."""
+        self.history.extend(request_record(trace) for trace in traces)
+
+    async def after_step(self, times: StepTimes) -> None:
+        """Called by the loop after each step: finishes a completed execution, feeds the planner
+        the step (the search runs on a thread) and starts executing a newly adopted plan."""
+        if not self.enabled:
+            return
+        self.rejected_total += times.num_dropped_stale
+        if self._execution is not None:
+            if not self._execution.done():
+                self._mirror_events()
+                return  # one plan at a time; the planner observes again once it is carried out
+            self._finish_execution()
+        if self._pending_reconcile:
+            self.recorder.event("plan_replanned", self._pending_reconcile)
+            self._reconcile(self._pending_reconcile)
+            self._pending_reconcile = ""
+        await self._follow_lane()
+        if len(self.history) >= 1:
+            self.planner.update_history(tuple(self.history))
+        # Rollout ran during the whole step: its batch arrived `wait_s` after training (and
+        # publication) of the previous one would have allowed.
+        train_s, rollout_s = times.train_s, times.wait_s + times.train_s
+        scale = self._model_scale(max(train_s, rollout_s))
+        obs = StepObservation(
+            step=times.step,
+            train_s=train_s * scale,
+            rollout_s=rollout_s * scale,
+            active_pressure=self._active_pressure(),
+            rejected_total=self.rejected_total,
+            history_size=len(self.history),
+        )
+        try:
+            await asyncio.to_thread(self.planner.observe, obs)
+        except Exception as e:  # noqa: BLE001 - a failed search must not end the run
+            self.recorder.event(
+                "plan_failed", f"step {times.step}: the planner failed: {type(e).__name__}: {e}"
+            )
+        self._mirror_events()
+        self._maybe_execute()
+
+    def _model_scale(self, measured_step_s: float) -> float:
+        """Measured seconds -> the cost model's seconds, one factor: the running plan's predicted
+        step (under the current history) over its measured one. The planner's apply rule weighs
+        the observed step against a candidate's *predicted* step; scaled, both are predictions of
+        the same (uncalibrated) model, while the measured rollout/train imbalance, a ratio, still
+        drives the triggers unchanged."""
+        if measured_step_s <= 0 or self.executed_plan is None or not self.history:
+            return 1.0
+        problem = dataclasses.replace(self.workers.planning_problem, history=tuple(self.history))
+        try:
+            predicted = evaluate_plan(problem, self.executed_plan).predicted_step_s
+        except ValueError:
+            return 1.0
+        return predicted / measured_step_s if 0 < predicted < math.inf else 1.0
+
+    def _active_pressure(self) -> float:
+        loads = getattr(self.workers.pool.router, "instance_loads", None)
+        live = self.workers.pool.live_ids()
+        if loads is None or not live:
+            return 0.0
+        capacity = len(live) * self.workers.job.scheduler.max_queue_length
+        return min(1.0, sum(load.active for load in loads()) / capacity)
+
+    def _maybe_execute(self) -> None:
+        plan, version = self.planner.current, self.planner.version
+        if version == self.executed_version or plan is None:
+            return
+        _, actions = diff_plans(self.executed_plan, plan, cut_inflight=self.planner.policy.cut_inflight)
+        refused = unsupported(actions, hybrids=self.hybrids is not None)
+        devices = DeviceMap.from_cluster_state(self.workers.cluster.controller.cluster.snapshot())
+        dead = [a for a in actions if any(not devices.usable(d) for d in _devices_started(a))]
+        if dead:
+            self.recorder.event(
+                "plan_refused",
+                f"plan v{version} starts {describe_action(dead[0])} on a device whose node agent is lost",
+                plan_version=version,
+            )
+            self._reconcile(f"the job refused plan v{version}")
+            return
+        if refused:
+            self.recorder.event(
+                "plan_refused",
+                f"plan v{version} needs {describe_action(refused[0])}, which the job cannot do yet; "
+                "keeping the running layout",
+                plan_version=version,
+            )
+            self._reconcile(f"the job refused plan v{version}")
+            return
+        self.recorder.event(
+            "plan_executing",
+            f"plan v{version}: {len(actions)} actions, predicted step {plan.predicted_step_s:.3f} s "
+            f"(train {plan.predicted_train_s:.3f} s, rollout {plan.predicted_rollout_s:.3f} s)",
+            plan_version=version,
+            num_actions=len(actions),
+        )
+        self._target = (plan, version)
+        self.executed_version = version  # claimed: a later version diffs against this one
+        self._execution = asyncio.create_task(asyncio.to_thread(self.executor.execute, actions, version))
+
+    def _finish_execution(self) -> None:
+        task, (plan, version) = self._execution, self._target
+        self._execution = self._target = None
+        try:
+            report = task.result()
+        except Exception as e:  # noqa: BLE001 - nothing ran (e.g. a device still held)
+            self.recorder.event(
+                "plan_executed", f"plan v{version} not executed: {e}", plan_version=version, ok=False
+            )
+            self._reconcile(f"plan v{version} could not run")
+            return
+        self._mirror_events()
+        live = len(self.workers.pool.live_ids())
+        if report.ok:
+            self.executed_plan = plan
+            self.planner.record_reconfiguration(report.seconds)
+            self.recorder.event(
+                "plan_executed",
+                f"plan v{version} applied in {report.seconds:.1f} s ({len(report.results)} actions)",
+                plan_version=version,
+                ok=True,
+                seconds=round(report.seconds, 2),
+                live_instances=live,
+            )
+            return
+        failed = report.failed
+        self.recorder.event(
+            "plan_executed",
+            f"plan v{version} failed at {failed.describe()}",
+            plan_version=version,
+            ok=False,
+            live_instances=live,
+        )
+        self._reconcile(f"plan v{version} failed at action {failed.index}")
+
+    def _reconcile(self, why: str) -> None:
+        """Makes the planner's current plan the layout that runs."""
+        try:
+            adoption = self.planner.propose(self.running_plan(), f"reconciled: {why}")
+        except ValueError as e:
+            self._disable(f"the running layout is no plan the planner can hold ({why}): {e}")
+            return
+        self.executed_plan, self.executed_version = adoption.plan, adoption.version
+        self._mirror_events()
+
+    async def _follow_lane(self) -> None:
+        """Records the hybrid replica's protocol state as it changes; one that rolled back
+        (its rank failed, timed out or was cancelled) is retired: its worker stopped, the
+        planner's plan reconciled (the core kept training and filled its share in)."""
+        if self.hybrids is None or not self.executor.running_hybrids():
+            return
+        try:
+            lane = await asyncio.to_thread(self.hybrids.state)
+        except Exception as e:  # noqa: BLE001 - the core rank busy or gone: look again next step
+            logger.warning("hybrid lane state unavailable: %s", e)
+            return
+        if (lane.generation, lane.state) != self._lane_seen:
+            self._lane_seen = (lane.generation, lane.state)
+            self.recorder.event(
+                f"hybrid_{lane.state.lower()}",
+                f"hybrid replica {lane.replica} (generation {lane.generation}) is {lane.state}",
+                replica=lane.replica,
+                generation=lane.generation,
+                accepted_payloads=lane.accepted_payloads,
+                filled_in_shares=lane.filled_in_shares,
+            )
+        running = self.executor.running_hybrids().get(lane.replica)
+        if lane.state == "ROLLED_BACK" and running is not None and running.generation == lane.generation:
+            detail = await asyncio.to_thread(self.executor.retire_hybrid, lane.replica)
+            reason = lane.rollbacks[-1] if lane.rollbacks else "rolled back"
+            self.recorder.event(
+                "hybrid_retired",
+                f"hybrid replica {lane.replica} rolled back ({reason}); {detail}",
+                replica=lane.replica,
+                filled_in_shares=lane.filled_in_shares,
+            )
+            self._reconcile(f"hybrid replica {lane.replica} rolled back")
+
+    def _disable(self, why: str) -> None:
+        self.enabled = False
+        self.recorder.event("planner_off", why)
+
+    def _mirror_events(self) -> None:
+        """Copies the controller's new plan events into the run's events."""
+        kinds = frozenset(PLAN_EVENT_KINDS)
+        for event in self.events.watch(self._event_sequence, kinds, is_active=lambda: False):
+            self._event_sequence = max(self._event_sequence, event.sequence)
+            self.recorder.event(PLAN_EVENT_KINDS[event.kind], event.message, plan_version=event.plan_version)
+
+    # -- instances the executor starts, and restarts by the job's watchdog ------------------------
+
+    async def _add_instance(self, plan_id: str, tp: int, address: str) -> int:
+        address_file = str(self.launcher.ready_files[plan_id])
+        state = self.workers.cluster.controller.cluster.snapshot()
+        worker = next(
+            (w for w in reversed(state.workers) if address_file in w.spec.argv and not w.state.ended), None
+        )
+        if worker is None:
+            raise RuntimeError(
+                f"no running worker serves plan instance {plan_id} (address file {address_file})"
+            )
+        return await self.workers.join_instance(
+            worker.spec.worker_id, worker.agent_id, worker.spec.devices, tp, address
+        )
+
+    def on_instance_gone(self, instance_id: int) -> None:
+        """An instance died with its node agent and cannot be restarted: the plan loses it (the
+        planner is reconciled at the next step boundary)."""
+        plan_id = self.rollout.unbind(instance_id)
+        if plan_id is not None:
+            self.executor.forget_instance(plan_id)
+        self._pending_reconcile = f"rollout instance {plan_id or instance_id} lost with its node agent"
+
+    def on_instance_restarted(self, old_id: int, new_id: int) -> None:
+        """The watchdog restarted a dead instance on its devices: the plan's instance is the new
+        one (in the id map and the executor)."""
+        plan_id = self.rollout.rebind(old_id, new_id)
+        if plan_id is None:
+            return
+        worker_id, tp = self.workers.instances[new_id]
+        old = self.executor.running_instances()[plan_id]
+        address = self.workers.pool.get(new_id).client.address
+        self.executor.adopt_instance(plan_id, worker_id, tp, old.devices, address)
+
+    async def close(self) -> None:
+        """Waits for a plan being carried out (bounded by the executor's timeouts), records it."""
+        if self._execution is not None:
+            await asyncio.wait([self._execution])
+            self._finish_execution()
+        # Hybrid replicas end with the run (their lane, the core rank, stops next).
+        for replica in sorted(self.executor.running_hybrids()):
+            try:
+                await asyncio.to_thread(self.executor.retire_hybrid, replica)
+            except Exception as e:  # noqa: BLE001 - its agent may be gone; the run ends anyway
+                logger.warning("hybrid replica %d not stopped: %s", replica, e)
+        self._mirror_events()
+        self._client.close()
+        if self.hybrids is not None:
+            self.hybrids.close()
+
+
+def _devices_started(action: Action) -> tuple[int, ...]:
+    return action.devices if isinstance(action, StartRolloutInstance | JoinHybridReplica) else ()
+
+
+def plan_instance_id(tp: int, devices: tuple[int, ...]) -> str:
+    """The planner's name of an instance (`libra.planner.plan.place_rollout`)."""
+    return f"rollout-tp{tp}-d{devices[0]}"

@@ -1,0 +1,119 @@
+"""A node agent killed mid-run (issue #10's fault tolerance): two agents of 2 CPU slots each, the
+job's own (the train rank on device 0, a TP-1 instance on device 1) and a second one started by
+the test (a TP-1 instance on device 2). The test SIGKILLs the second agent; its instance dies with
+it. The controller must detect the agent's loss (missed heartbeats), the job must reroute the
+instance's trajectories, not restart it on the dead node, drop it from the plan (the planner
+reconciled to the remaining devices) and finish every step with no trajectory lost.
+
+Needs what the short-run test needs, and about two minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from libra.config import ControlConfig
+from libra.control.client import ClusterClient
+from libra.control.types import AgentState
+from libra.job.loop import GrpoJob
+from libra.job.recorder import read_jsonl
+from libra.job.run import load_job_config
+
+pytestmark = pytest.mark.multiprocess
+
+NUM_STEPS = 30
+KILL_AFTER_STEP = 2
+OVERRIDES = [
+    f"job.num_steps={NUM_STEPS}",
+    "job.prompts_per_step=2",
+    "job.group_size=4",
+    "training.train_batch_size=8",
+    "job.checkpoint_interval=0",
+    "job.live_progress=false",
+    "job.num_agents=2",
+    "backend.num_devices=2",
+    "planner.policy.auto_apply=false",
+]
+if os.environ.get("LIBRA_JOB_TEST_MODEL"):
+    OVERRIDES.append(f"job.model={os.environ['LIBRA_JOB_TEST_MODEL']}")
+LOST_OUTCOMES = {"error", "no_instance", "aborted", "running"}
+
+
+def _second_agent(run_dir: Path, fault: dict) -> None:
+    """Starts the second agent once the job's own registered; kills it after KILL_AFTER_STEP."""
+    while not (run_dir / "controller.addr").is_file() or not (run_dir / "token").is_file():
+        if fault.get("stop"):
+            return
+        time.sleep(0.1)
+    address = (run_dir / "controller.addr").read_text().strip()
+    token = (run_dir / "token").read_text().strip()
+    with ClusterClient(address, token, ControlConfig()) as client:
+        while not [a for a in client.cluster_state().agents if a.state == AgentState.ALIVE]:
+            if fault.get("stop"):
+                return
+            time.sleep(0.2)
+        known = {a.agent_id for a in client.cluster_state().agents}
+        argv = [sys.executable, "-m", "libra.cli", "agent", "--controller", address]
+        argv += [f"run_dir={run_dir / 'agent-b'}", "backend.name=cpu", "backend.num_devices=2"]
+        with open(run_dir / "logs" / "agent-b.log", "ab") as log:
+            agent = subprocess.Popen(
+                argv, env={**os.environ, "LIBRA_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT
+            )
+        fault["process"] = agent
+        while len(read_jsonl(run_dir / "metrics.jsonl")) < KILL_AFTER_STEP:
+            if fault.get("stop"):
+                return
+            time.sleep(0.2)
+        fault["agent_id"] = next(a.agent_id for a in client.cluster_state().agents if a.agent_id not in known)
+    agent.kill()  # SIGKILL: no goodbye; its workers die with it (parent-death signal)
+    agent.wait()
+    fault["killed_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def fault() -> dict:
+    return {}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, fault) -> Path:
+    run_dir = tmp_path_factory.mktemp("agentloss") / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    config, job_config = load_job_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *OVERRIDES])
+    thread = threading.Thread(target=_second_agent, args=(run_dir, fault))
+    thread.start()
+    try:
+        result = GrpoJob(config, job_config).run()
+    finally:
+        fault["stop"] = True
+        thread.join()
+        if "process" in fault and fault["process"].poll() is None:
+            fault["process"].kill()
+    assert result.version == NUM_STEPS
+    return run_dir
+
+
+def test_lost_agent_is_detected_and_its_instance_replanned_away(run_dir, fault):
+    assert fault.get("killed_at_step", 0) >= KILL_AFTER_STEP
+    events = read_jsonl(run_dir / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    abandoned = [e for e in events if e["kind"] == "instance_abandoned"]
+    assert abandoned and fault["agent_id"] in abandoned[0]["message"], events
+    assert abandoned[0]["live_instances"] == 1
+    assert "instance_restarted" not in kinds  # nothing restarted on the dead node
+    replanned = [e["message"] for e in events if e["kind"] == "plan_applied" and "reconciled" in e["message"]]
+    assert any("rollout-tp1-d2 lost with its node agent" in m for m in replanned), replanned
+
+
+def test_run_finishes_with_no_trajectory_lost(run_dir):
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, NUM_STEPS + 1))
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert not [s for s in samples if s["outcome"] in LOST_OUTCOMES], "trajectories were lost"

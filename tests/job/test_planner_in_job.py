@@ -1,0 +1,192 @@
+"""The planner and the elastic hybrid pool inside a short run of the embedded default
+(configs/tiny_cpu.py, 3 CPU slots: the core train rank on device 0, TP-1 instances on devices 1
+and 2), with a fault.
+
+The launch layout is the planner's current plan. An external controller follows the run through
+the gRPC API and proposes (`ProposePlan`) a plan that moves device 1 from rollout to training: the
+job drains the instance there and a hybrid DP replica joins on it (started through the node agent,
+following the core rank's lane: FETCHING_STATE, then ACTIVE). Once it is ACTIVE the test SIGKILLs
+it. The core must roll it back and keep training with no step lost (it fills the replica's share
+in); the job retires the replica and reconciles the planner, and a last proposed plan gives
+device 1 back to rollout (a new instance, brought to the current weights). No trajectory may be
+lost, and the plan decisions, executed actions and hybrid states must be in the run's events and
+its report.
+
+Needs what the short-run test needs (the cached warm-started policy, about 5 GB) and about three
+minutes (the hybrid's engine and the new instance start on a busy 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from libra.config import ControlConfig
+from libra.control.auth import open_channel
+from libra.control.client import ClusterClient
+from libra.job.loop import GrpoJob
+from libra.job.recorder import read_jsonl
+from libra.job.report import write_report
+from libra.job.run import load_job_config
+from libra.v1 import planner_pb2, planner_pb2_grpc
+
+pytestmark = pytest.mark.multiprocess
+
+NUM_STEPS = 36
+BATCH = 8
+OVERRIDES = [
+    f"job.num_steps={NUM_STEPS}",
+    "job.prompts_per_step=2",
+    "job.group_size=4",
+    f"training.train_batch_size={BATCH}",
+    "job.checkpoint_interval=0",
+    "job.live_progress=false",
+    "planner.policy.auto_apply=false",
+    "planner.execution.drain_timeout_s=10",
+]
+if os.environ.get("LIBRA_JOB_TEST_MODEL"):
+    OVERRIDES.append(f"job.model={os.environ['LIBRA_JOB_TEST_MODEL']}")
+LOST_OUTCOMES = {"error", "no_instance", "aborted", "running"}
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def _wait(condition, driver: dict) -> bool:
+    while not condition():
+        if driver.get("stop"):
+            return False
+        time.sleep(0.3)
+    return True
+
+
+def _with_hybrid(launch: planner_pb2.Plan) -> planner_pb2.Plan:
+    """Device 1 trains: DP 2 (replica 1 on device 1), rollout keeps device 2."""
+    plan = planner_pb2.Plan()
+    plan.CopyFrom(launch)
+    plan.training.dp = 2
+    del plan.instances[:]
+    plan.instances.extend(i for i in launch.instances if list(i.devices) == [2])
+    plan.buckets[0].num_instances = 1
+    return plan
+
+
+def _external_controller(run_dir: Path, driver: dict) -> None:
+    if not _wait(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, driver):
+        return
+    address = (run_dir / "controller.addr").read_text().strip()
+    token = (run_dir / "token").read_text().strip()
+    channel = open_channel(address, token, ControlConfig())
+    stub = planner_pb2_grpc.PlannerServiceStub(channel)
+    launch = stub.GetPlan(planner_pb2.GetPlanRequest()).current
+    driver["launch"] = launch
+    driver["join"] = stub.ProposePlan(
+        planner_pb2.ProposePlanRequest(plan=_with_hybrid(launch), reason="test: device 1 trains")
+    )
+    if not _wait(lambda: any(e["kind"] == "hybrid_active" for e in _events(run_dir)), driver):
+        return
+    driver["active_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
+    time.sleep(3.0)  # into the next steps: the kill lands while the core relies on the replica
+    with ClusterClient(address, token, ControlConfig()) as client:
+        hybrid = next(
+            w
+            for w in client.cluster_state().workers
+            if w.spec.worker_id.startswith("hybrid-1") and not w.state.ended
+        )
+    os.killpg(hybrid.pid, signal.SIGKILL)
+    driver["killed"] = hybrid.spec.worker_id
+    if not _wait(lambda: any(e["kind"] == "hybrid_retired" for e in _events(run_dir)), driver):
+        return
+    driver["back"] = stub.ProposePlan(
+        planner_pb2.ProposePlanRequest(plan=launch, reason="test: device 1 rolls out again")
+    )
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def driver() -> dict:
+    return {}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, driver) -> Path:
+    run_dir = tmp_path_factory.mktemp("hybrid") / "run"
+    config, job_config = load_job_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *OVERRIDES])
+    thread = threading.Thread(target=_external_controller, args=(run_dir, driver))
+    thread.start()
+    try:
+        result = GrpoJob(config, job_config).run()
+    finally:
+        driver["stop"] = True
+        thread.join()
+    assert result.version == NUM_STEPS
+    write_report(run_dir)
+    return run_dir
+
+
+def test_launch_layout_is_the_planners_current_plan(run_dir, driver):
+    launch = driver["launch"]
+    assert (launch.training.tp, launch.training.dp, launch.training.first_device) == (1, 1, 0)
+    assert sorted(tuple(i.devices) for i in launch.instances) == [(1,), (2,)]
+    assert [(b.tp, b.num_instances) for b in launch.buckets] == [(1, 2)]
+
+
+def test_hybrid_replica_joins_becomes_active_and_is_killed(run_dir, driver):
+    kinds = planner_pb2.PlanActionKind
+    assert [(a.kind, a.replica if a.replica else a.instance_id) for a in driver["join"].actions] == [
+        (kinds.PLAN_ACTION_KIND_STOP_ROLLOUT_INSTANCE, "rollout-tp1-d1"),
+        (kinds.PLAN_ACTION_KIND_JOIN_HYBRID_REPLICA, 1),
+    ]
+    events = _events(run_dir)
+    states = [e["kind"] for e in events if e["kind"].startswith("hybrid_")]
+    assert "hybrid_active" in states, states
+    assert driver.get("killed", "").startswith("hybrid-1")
+    assert states.index("hybrid_rolled_back") > states.index("hybrid_active")
+    retired = next(e for e in events if e["kind"] == "hybrid_retired")
+    assert "PeerLost" in retired["message"], retired
+    if "of step" in retired["message"]:
+        # It died while the core waited for its share of a step: the core computed that share.
+        assert retired["filled_in_shares"] >= 1, retired
+
+
+def test_training_continued_with_no_step_lost_or_shortened(run_dir, driver):
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, NUM_STEPS + 1))
+    # Every step trained on a full batch, also the ones the hybrid was ACTIVE in and died in
+    # (stale drops are replaced by fresh groups before a step).
+    assert all(s["num_trajectories"] == BATCH for s in steps), [s["num_trajectories"] for s in steps]
+    assert all(s["loss"] == s["loss"] and abs(s["loss"]) < 1e3 for s in steps)  # finite
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert not [s for s in samples if s["outcome"] in LOST_OUTCOMES], "trajectories were lost"
+
+
+def test_device_goes_back_to_rollout(run_dir, driver):
+    back = driver["back"]
+    kinds = planner_pb2.PlanActionKind
+    assert [(a.kind, a.instance_id) for a in back.actions] == [
+        (kinds.PLAN_ACTION_KIND_START_ROLLOUT_INSTANCE, "rollout-tp1-d1")
+    ]
+    executed = {e["plan_version"]: e for e in _events(run_dir) if e["kind"] == "plan_executed"}
+    join = driver["join"].plan.version
+    assert executed[join]["ok"] and executed[join]["live_instances"] == 1
+    assert executed[back.plan.version]["ok"] and executed[back.plan.version]["live_instances"] == 2
+
+
+def test_decisions_and_actions_are_recorded_and_reported(run_dir):
+    events = _events(run_dir)
+    applied = [e["message"] for e in events if e["kind"] == "plan_applied"]
+    assert any("test: device 1 trains" in m and "step " in m for m in applied), applied
+    assert any("reconciled: hybrid replica 1 rolled back" in m for m in applied), applied
+    actions = [e["message"] for e in events if e["kind"] == "plan_action"]
+    assert any(m.startswith("0: stop rollout rollout-tp1-d1 (drain)") and ": ok " in m for m in actions)
+    assert any(m.startswith("1: join hybrid replica 1 on [1]: ok") for m in actions), actions
+    # The drained instance's end was planned: the watchdog did not restart it.
+    assert not [e for e in events if e["kind"] in ("instance_lost", "instance_restarted")]
+    report = (run_dir / "report.md").read_text()
+    assert "plan_executed" in report and "hybrid_active" in report

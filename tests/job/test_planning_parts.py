@@ -1,0 +1,328 @@
+"""The planner-in-the-job's decisions without processes: the real `Planner` and event log, a fake
+pool, cluster and executor. Which plans run, which are refused (a training layout change or a
+hybrid move the job cannot carry out), and how the planner is reconciled to what runs after a
+refusal or a failed action; the planner's inputs built from traces and an HF config."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from libra.backends.base import DeviceInfo
+from libra.control.events import EventBus
+from libra.control.types import AgentState, AgentStatus, ClusterState, EventKind
+from libra.job.planning import (
+    JobPlanning,
+    StepTimes,
+    cluster_spec,
+    model_arch,
+    planning_problem,
+    request_record,
+)
+from libra.job.run import load_job_config
+from libra.job.workers import Placement
+from libra.planner import Planner, RequestRecord
+from libra.planner.actions import ActionResult, ExecutionReport, Outcome, RunningWorker
+from libra.planner.diff import StopRolloutInstance
+from libra.planner.plan import BucketPlan, Plan, RolloutInstance
+from libra.scheduler.baselines import LeastLoadRouter, RoundRobinRouter
+from libra.scheduler.config import BucketConfig
+from libra.sim.trace import TrajectoryTrace, TurnTrace
+
+PLANNER_EVENTS = {
+    "applied": EventKind.PLAN_APPLIED,
+    "proposed": EventKind.PLAN_PROPOSED,
+    "rejected": EventKind.PLAN_REJECTED,
+    "vetoed": EventKind.PLAN_VETOED,
+}
+TINY_LLAMA = {
+    "num_hidden_layers": 4,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 1024,
+    "head_dim": 32,
+    "dtype": "float32",
+}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def event(self, kind: str, message: str, **extra) -> None:
+        self.events.append({"kind": kind, "message": message, **extra})
+
+    def kinds(self) -> list[str]:
+        return [e["kind"] for e in self.events]
+
+
+class FakePool:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.buckets = (BucketConfig("short", 1, 256), BucketConfig("long", 2, 4096))
+        self.router = SimpleNamespace()  # no instance_loads: pressure 0
+
+    def live_ids(self) -> list[int]:
+        return list(self.ids)
+
+    def get(self, instance_id: int):
+        return SimpleNamespace(client=SimpleNamespace(address=f"127.0.0.1:{9000 + instance_id}"))
+
+
+class FakeExecutor:
+    """Records the actions it is given; runs what `outcome` says."""
+
+    def __init__(self) -> None:
+        self.instances: dict[str, RunningWorker] = {}
+        self.executed: list[tuple[int, list]] = []
+        self.fail = False
+
+    def adopt_instance(self, plan_id, worker_id, tp, devices, address) -> None:
+        self.instances[plan_id] = RunningWorker(worker_id, tuple(devices), tp, address)
+
+    def running_instances(self):
+        return dict(self.instances)
+
+    def running_hybrids(self):
+        return {}
+
+    def forget_instance(self, instance_id):
+        return self.instances.pop(instance_id, None)
+
+    def execute(self, actions, plan_version=0) -> ExecutionReport:
+        self.executed.append((plan_version, list(actions)))
+        results = []
+        for index, action in enumerate(actions):
+            if self.fail:
+                results.append(ActionResult(index, action, Outcome.FAILED, detail="RuntimeError: boom"))
+                break
+            if isinstance(action, StopRolloutInstance):
+                del self.instances[action.instance_id]
+            results.append(ActionResult(index, action, Outcome.OK))
+        return ExecutionReport(plan_version, tuple(results), 0.5)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return tmp_path
+
+
+def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
+    """A JobPlanning over a 3-slot CPU cluster: the train rank on device 0, TP-1 instances 0 and 1
+    (workers rollout-0, rollout-1) on devices 1 and 2. Call inside a running loop."""
+    config, job = load_job_config(
+        "configs/tiny_cpu.py",
+        ["job.prompts_per_step=2", "job.group_size=4", "training.train_batch_size=8"],
+    )
+    problem = planning_problem(config, job, model_dir)
+    bus = EventBus()
+    planner = Planner(
+        problem,
+        on_event=lambda e: bus.publish(PLANNER_EVENTS[e.kind], plan_version=e.version, message=e.message),
+    )
+    agent = AgentStatus(
+        "agent-0",
+        "localhost",
+        "127.0.0.1:1",
+        "cpu",
+        tuple(DeviceInfo(i, "cpu-slot", 2**30) for i in range(3)),
+        AgentState.ALIVE,
+        0.0,
+        0.0,
+    )
+    agents = [agent]
+    controller = SimpleNamespace(
+        planner=planner,
+        events=bus,
+        address="127.0.0.1:1",
+        agents=agents,  # the test may mark them lost
+        cluster=SimpleNamespace(snapshot=lambda: ClusterState(list(agents), [], 0)),
+    )
+    forgotten: list[int] = []
+
+    async def forget(instance_id: int) -> None:
+        forgotten.append(instance_id)
+
+    workers = SimpleNamespace(
+        cluster=SimpleNamespace(
+            controller=controller,
+            workers={"rollout-0": Placement("agent-0", (1,)), "rollout-1": Placement("agent-0", (2,))},
+        ),
+        token="token",
+        config=config,
+        job=job,
+        pool=FakePool([0, 1]),
+        planning_problem=problem,
+        instances={0: ("rollout-0", 1), 1: ("rollout-1", 1)},
+        forget_instance=forget,
+        run_dir=tmp_path,
+    )
+    recorder = Recorder()
+    planning = JobPlanning(workers, recorder)
+    planning.executor = FakeExecutor()
+    planning.adopt_launch_layout()
+    planning.history.extend(RequestRecord(200, 150, 3, 0.1) for _ in range(16))
+    return planning, recorder
+
+
+def _shrunk(plan: Plan, device: int) -> Plan:
+    instances = tuple(i for i in plan.instances if device not in i.devices)
+    return Plan(
+        plan.num_devices,
+        plan.training,
+        instances,
+        (BucketPlan(1, len(instances), 256, 0, 0.0),),
+        0.0,
+        0.0,
+    )
+
+
+async def _settle(planning: JobPlanning, step: int) -> None:
+    """Lets a started execution finish, then passes the next step boundary."""
+    if planning._execution is not None:
+        await asyncio.wait([planning._execution])
+    await planning.after_step(StepTimes(step, wait_s=0.1, train_s=1.0, num_dropped_stale=0))
+
+
+def test_launch_layout_becomes_the_current_plan(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        plan = planning.planner.current
+        assert [(i.instance_id, i.devices) for i in plan.instances] == [
+            ("rollout-tp1-d1", (1,)),
+            ("rollout-tp1-d2", (2,)),
+        ]
+        assert (plan.training.first_device, plan.training.config.dp) == (0, 1)
+        assert planning.executed_version == planning.planner.version == 1
+        assert recorder.kinds() == ["plan_applied"]  # mirrored from the controller's event log
+        assert planning.rollout.pool_id("rollout-tp1-d2") == 1
+
+    asyncio.run(scenario())
+
+
+def test_external_plan_is_executed_at_the_next_step_and_recorded(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        adoption = planning.planner.propose(_shrunk(planning.planner.current, 2), "external")
+        await _settle(planning, 1)
+        await _settle(planning, 2)
+        assert planning.executor.executed == [
+            (adoption.version, [StopRolloutInstance("rollout-tp1-d2", (2,), False)])
+        ]
+        executed = [e for e in recorder.events if e["kind"] == "plan_executed"]
+        assert [(e["plan_version"], e["ok"]) for e in executed] == [(adoption.version, True)]
+        assert planning.executed_plan.instances == adoption.plan.instances
+        assert "plan_executing" in recorder.kinds()
+
+    asyncio.run(scenario())
+
+
+def test_plan_needing_a_hybrid_join_is_refused_and_the_planner_reconciled(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        launch = planning.planner.current
+        # Training grows onto device 1 (DP 2): an elastic join the job cannot do yet.
+        grown = Plan(
+            3,
+            type(launch.training)(type(launch.training.config)(1, 1, 2, 1), 0),
+            (RolloutInstance("rollout-tp1-d2", 1, (2,), 2),),
+            (BucketPlan(1, 1, 256, 0, 0.0),),
+            0.0,
+            0.0,
+        )
+        planning.planner.propose(grown, "external")
+        await planning.after_step(StepTimes(1, 0.1, 1.0, 0))
+        assert planning.executor.executed == []
+        assert "plan_refused" in recorder.kinds()
+        current = planning.planner.current
+        assert current.instances == launch.instances and current.training.config.dp == 1
+        assert planning.executed_version == planning.planner.version
+
+    asyncio.run(scenario())
+
+
+def test_failed_action_reconciles_the_planner_with_what_runs(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        planning.executor.fail = True
+        launch = planning.planner.current
+        planning.planner.propose(_shrunk(launch, 2), "external")
+        await _settle(planning, 1)
+        await _settle(planning, 2)
+        failed = [e for e in recorder.events if e["kind"] == "plan_executed"]
+        assert failed and failed[0]["ok"] is False
+        # The instance could not be stopped: the planner's plan has it again.
+        assert planning.planner.current.instances == launch.instances
+        assert planning.executed_version == planning.planner.version
+
+    asyncio.run(scenario())
+
+
+def test_triggered_search_runs_on_the_measured_history(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        for step in range(1, 12):
+            await _settle(planning, step)
+        decisions = [e for e in recorder.events if e["kind"] in ("plan_applied", "plan_rejected")]
+        # The periodic trigger fired after warm-up and the planner decided (either way) on it.
+        assert len(decisions) >= 2, recorder.events
+
+    asyncio.run(scenario())
+
+
+def test_instance_lost_with_its_agent_is_replanned_without_it(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        launch = planning.planner.current
+        planning.on_instance_gone(1)  # the watchdog: pool instance 1 (device 2) died with its agent
+        await planning.after_step(StepTimes(1, 0.1, 1.0, 0))
+        assert "plan_replanned" in recorder.kinds()
+        assert [i.devices for i in planning.planner.current.instances] == [(1,)]
+        assert "rollout-tp1-d2" not in planning.executor.running_instances()
+        # A plan that puts an instance back on the lost agent's device is refused.
+        controller = planning.workers.cluster.controller
+        controller.agents[0] = dataclasses.replace(controller.agents[0], state=AgentState.LOST)
+        planning.planner.propose(launch, "external")
+        await planning.after_step(StepTimes(2, 0.1, 1.0, 0))
+        refused = [e["message"] for e in recorder.events if e["kind"] == "plan_refused"]
+        assert refused and "node agent is lost" in refused[0]
+        assert planning.executor.executed == []
+        assert [i.devices for i in planning.planner.current.instances] == [(1,)]
+
+    asyncio.run(scenario())
+
+
+def test_planner_inputs(model_dir):
+    arch = model_arch(model_dir, "float32")
+    assert (arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.bytes_per_param) == (4, 2, 32, 4)
+    profile = SimpleNamespace()
+    assert (cluster_spec(3, 1, profile).num_nodes, cluster_spec(3, 1, profile).devices_per_node) == (3, 1)
+    assert (cluster_spec(4, 2, profile).num_nodes, cluster_spec(4, 2, profile).devices_per_node) == (2, 4)
+    trace = TrajectoryTrace(
+        "t",
+        "p",
+        "g",
+        prompt_tokens=40,
+        turns=(TurnTrace(30, tool="calc", payload_tokens=5, tool_latency_s=0.25), TurnTrace(20)),
+    )
+    assert request_record(trace) == RequestRecord(45, 50, 2, 0.25)
+
+
+@pytest.mark.parametrize("router_type", [LeastLoadRouter, RoundRobinRouter])
+def test_baseline_routers_report_instance_loads_for_a_drain(router_type):
+    router = router_type()
+    router.add_instance(0, 0)
+    router.add_instance(1, 0)
+    for i in range(3):
+        router.admit(f"t{i}", "p")
+    router.set_instance_ready(1, False)
+    loads = {load.instance_id: (load.active, load.ready) for load in router.instance_loads()}
+    assert sum(active for active, _ in loads.values()) == 3
+    assert loads[1][1] is False and loads[0][1] is True
