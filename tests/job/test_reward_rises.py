@@ -5,10 +5,11 @@ What is learned: the warm-started policy skips its tool on a share of its sample
 (`WarmStartConfig.direct_answer_fraction`) and then almost always fails; GRPO teaches it to call
 the tool. The held-out evaluation rolls the same tasks out, with the same sampling, before the
 first step and after the last, so the comparison is free of the prompt-mix noise of single
-training batches. Measured (96 tasks x 4 samples, 20 steps): reward 0.091 -> 0.148 and 0.090 ->
-0.207 (64 tasks), tool use 0.71 -> 0.96 and 0.74 -> 0.98. One standard error of a before/after
-reward difference is ~0.023 here, of the tool-use one ~0.03: the margins below sit 2-4 of them
-under the smaller measured effect.
+training batches. Measured with 4 samples a task: after 20 steps reward 0.091 -> 0.148 and
+0.090 -> 0.207 (64 tasks), tool use 0.71 -> 0.96 and 0.74 -> 0.98; after 30 steps (the README
+run) 0.102 -> 0.133, tool use 0.74 -> 0.99. Tool use rises by ~0.25 every time; the reward by
+0.03-0.12, because sampled copying through the tool (~13-21 % success) is what it multiplies.
+So the tool-use margin is wide and the reward is asserted to rise, not by how much.
 
 Needs the warm-started tiny policy (cached under ~/.cache/libra) and about 5 GB of memory.
 """
@@ -26,7 +27,14 @@ from libra.job.run import load_job_config
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 NUM_STEPS = 20
-OVERRIDES = [f"job.num_steps={NUM_STEPS}", "job.live_progress=false", "job.checkpoint_interval=0"]
+# Eight samples of each of the 96 held-out tasks: one standard error of the before/after reward
+# difference is then ~0.016.
+OVERRIDES = [
+    f"job.num_steps={NUM_STEPS}",
+    "job.live_progress=false",
+    "job.checkpoint_interval=0",
+    "job.eval_samples=8",
+]
 if os.environ.get("LIBRA_JOB_TEST_MODEL"):
     OVERRIDES.append(f"job.model={os.environ['LIBRA_JOB_TEST_MODEL']}")
 
@@ -43,7 +51,7 @@ def test_held_out_reward_and_tool_use_rise(result):
     assert (before.when, before.version, after.when, after.version) == ("before", 0, "after", NUM_STEPS)
     assert before.num_tasks == after.num_tasks >= 64
     assert after.tool_use_rate >= before.tool_use_rate + 0.15, result.evaluations
-    assert after.mean_reward >= before.mean_reward + 0.02, result.evaluations
+    assert after.mean_reward > before.mean_reward, result.evaluations
 
 
 def test_training_batches_call_the_tool_more(result):
