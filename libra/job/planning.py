@@ -91,21 +91,11 @@ _BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def model_arch(model_dir: Path, dtype: str) -> ModelArch:
-    """The planner's view of an HF (Llama / Qwen2 layout) model folder."""
+    """The planner's view of an HF model folder, at the instances' dtype."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    try:
-        return ModelArch(
-            num_layers=raw["num_hidden_layers"],
-            hidden_size=raw["hidden_size"],
-            num_attention_heads=raw["num_attention_heads"],
-            num_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-            ffn_hidden_size=raw["intermediate_size"],
-            vocab_size=raw["vocab_size"],
-            head_dim=raw.get("head_dim") or 0,
-            bytes_per_param=_BYTES_PER_DTYPE.get(dtype if dtype != "auto" else raw.get("dtype", ""), 2),
-        )
-    except KeyError as e:
-        raise ValueError(f"{model_dir}/config.json lacks {e}, which the planner's model needs") from None
+    return ModelArch.from_hf_config(
+        model_dir, _BYTES_PER_DTYPE.get(dtype if dtype != "auto" else raw.get("dtype", ""), 2)
+    )
 
 
 def cluster_spec(devices_per_agent: int, num_agents: int, profile) -> ClusterSpec:

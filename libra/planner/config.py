@@ -10,6 +10,7 @@ and the knobs of the search and of the re-plan triggers.
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,24 @@ class ModelArch:
     """0: counted from the shapes (attention, gated MLP, untied embedding and output layer)."""
     bytes_per_param: int = 2
     """Weights and KV cache dtype in bytes (bf16: 2)."""
+
+    @classmethod
+    def from_hf_config(cls, model_dir: str | Path, bytes_per_param: int) -> ModelArch:
+        """The planner's view of an HF (Llama / Qwen2 layout) model folder's `config.json`."""
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        try:
+            return cls(
+                num_layers=raw["num_hidden_layers"],
+                hidden_size=raw["hidden_size"],
+                num_attention_heads=raw["num_attention_heads"],
+                num_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+                ffn_hidden_size=raw["intermediate_size"],
+                vocab_size=raw["vocab_size"],
+                head_dim=raw.get("head_dim") or 0,
+                bytes_per_param=bytes_per_param,
+            )
+        except KeyError as e:
+            raise ValueError(f"{model_dir}/config.json lacks {e}, which the planner's model needs") from None
 
     def __post_init__(self) -> None:
         for name in (

@@ -65,20 +65,6 @@ class RunRecord:
     """Trajectory ids in the order they finished (samples.jsonl), to split batches by step."""
 
 
-def model_from_hf_config(folder: Path, bytes_per_param: int) -> ModelArch:
-    config = json.loads((folder / "config.json").read_text())
-    return ModelArch(
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
-        num_attention_heads=config["num_attention_heads"],
-        num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        ffn_hidden_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        head_dim=config.get("head_dim") or 0,
-        bytes_per_param=bytes_per_param,
-    )
-
-
 def read_run(run_dir: str | Path) -> RunRecord:
     """Reads a run folder; ValueError naming the missing or malformed part."""
     run_dir = Path(run_dir)
@@ -95,7 +81,7 @@ def read_run(run_dir: str | Path) -> RunRecord:
     if len(counts) < 2:
         raise ValueError(f"cannot read the worker counts from {started['message']!r}")
     dtype = json.loads((Path(started["model"]) / "config.json").read_text()).get("dtype", "float32")
-    model = model_from_hf_config(Path(started["model"]), 4 if dtype == "float32" else 2)
+    model = ModelArch.from_hf_config(Path(started["model"]), 4 if dtype == "float32" else 2)
     occupancy = tuple(
         (sum(row["buckets"].values()), float(row["tokens_per_s"]))
         for row in _jsonl(run_dir / "occupancy.jsonl")
