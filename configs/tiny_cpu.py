@@ -1,12 +1,15 @@
 """The embedded default: the warm-started tiny policy on procedural tool-use tasks, on one CPU
-host (`bash scripts/launch_cpu.sh`, or `libra run configs/tiny_cpu.py`). Two TP-1 rollout
-instances under C-MLFQ and one Megatron train rank, async GRPO with staleness 1, weights
-published every step, the planner in the loop (on this machine it usually moves one rollout slot
-to an elastic hybrid training replica early in the run), a held-out evaluation before the first
-step and after the last. About 5 minutes on a 2-core machine; `job.num_steps=3` for a short run."""
+host (`bash scripts/launch_cpu.sh`, or `libra run configs/tiny_cpu.py`). Four CPU slots: one
+Megatron train rank (slot 0) and two rollout buckets under C-MLFQ, a TP-1 instance (slot 1) for
+trajectories with little left to generate and a TP-2 instance (slots 2-3) for the rest; async GRPO
+with staleness 1, weights published every step, the planner in the loop (it keeps this layout or
+moves the TP-1 slot to an elastic hybrid training replica, by its cost model and the measured
+steps), a held-out evaluation before the first step and after the last. About 10 minutes on a
+2-core machine (about 9 GB of memory); `job.num_steps=3` for a short run."""
 
 from libra.config import BackendConfig, ControlConfig, LibraConfig
 from libra.job.config import JobConfig
+from libra.planner.config import PlannerConfig, SearchConfig
 from libra.rollout.config import AgentLoopConfig, InstanceConfig, RolloutConfig
 from libra.training.config import GrpoConfig, TrainingConfig
 
@@ -20,9 +23,10 @@ def config() -> LibraConfig:
         # Beats every 5 s (lost after 15 s of silence): a 2-core machine under a full job can starve
         # the agent for seconds.
         control=ControlConfig(port=0, heartbeat_interval_s=5.0),
-        # Three CPU slots on two cores: two rollout instances and a train rank (slots share cores
-        # when there are more slots than cores; each worker runs one thread per slot).
-        backend=BackendConfig(name="cpu", num_devices=3),
+        # Four CPU slots on two cores (slots share cores when there are more slots than cores;
+        # each worker runs one thread per slot): a power of two, so that the planner sees one
+        # node of 4 devices and TP-2 blocks aligned in it.
+        backend=BackendConfig(name="cpu", num_devices=4),
         rollout=RolloutConfig(
             instance=InstanceConfig(max_model_len=2048, kv_cache_gib=1, max_num_seqs=64),
             # Eight turns and 128 tokens a turn bound the tiny policy's trajectories (its
@@ -41,10 +45,12 @@ def config() -> LibraConfig:
             max_tokens_per_microbatch=8192,
             grpo=GrpoConfig(clip_low=0.2, clip_high=0.28),
         ),
+        # Device by device below the node (the train rank is one slot), over the buckets' TP sizes.
+        planner=PlannerConfig(search=SearchConfig(rollout_tp_sizes=(1, 2), split_granularity=1)),
     )
 
 
 def job() -> JobConfig:
     return JobConfig(
-        num_steps=30, prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE, rollout_tp_sizes="1,1"
+        num_steps=30, prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE, rollout_tp_sizes="2,1"
     )

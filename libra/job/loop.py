@@ -135,7 +135,11 @@ class GrpoJob:
             wait_s = train_started - step_started
             # Before the update: the trainer still runs the version that sampled the compared tokens.
             gap = await asyncio.to_thread(measure_logprob_gap, self.workers.trainer, batch, self.gate.version)
-            stats = await asyncio.to_thread(self.workers.trainer.train_step, batch)
+            self.workers.training_now = True
+            try:
+                stats = await asyncio.to_thread(self.workers.trainer.train_step, batch)
+            finally:
+                self.workers.training_now = False
             self.gate.on_train_step(len(batch))
             if stats.version != self.gate.version:
                 raise RuntimeError(f"trainer is at version {stats.version}, the job at {self.gate.version}")
@@ -170,7 +174,9 @@ class GrpoJob:
             last_tokens, last_time = tokens, now
             self.steps.append(metrics)
             self.recorder.step(metrics)
-            self.workers.progress.step(metrics, self.job.num_steps)
+            self.workers.progress.step(
+                metrics, self.job.num_steps, self.planning.layout() if self.planning else "static"
+            )
             if self.planning is not None:
                 await self.planning.after_step(
                     StepTimes(metrics.step, wait_s, now - train_started, self._last_dropped)

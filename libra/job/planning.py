@@ -339,6 +339,10 @@ class JobPlanning:
         self.executed_plan, self.executed_version = adoption.plan, adoption.version
         self._mirror_events()
 
+    def layout(self) -> str:
+        """The plan in force, one line (the progress display)."""
+        return f"v{self.executed_version}: {self.running_plan().layout()}"
+
     def running_plan(self) -> Plan:
         """The layout the cluster runs now: the launched training, the executor's instances, the
         pool's bucket thresholds for the TP sizes that have instances."""

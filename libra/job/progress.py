@@ -1,5 +1,5 @@
 """Live progress of a run: a rich table on a terminal (steps, reward, throughput, bucket
-occupancy, events), or one plain line per step otherwise (logs, CI)."""
+occupancy, the plan in force), or one plain line per step otherwise (logs, CI)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ class Progress:
         self._last: StepMetrics | None = None
         self._occupancy: dict[str, int] = {}
         self._tokens_per_s = 0.0
+        self._plan = "-"
         self._live = None
         if live:
             from rich.live import Live
@@ -20,8 +21,9 @@ class Progress:
             self._live = Live(self._render(), refresh_per_second=2, transient=False)
             self._live.start()
 
-    def step(self, metrics: StepMetrics, num_steps: int) -> None:
-        self._last = metrics
+    def step(self, metrics: StepMetrics, num_steps: int, plan: str) -> None:
+        """`plan`: the layout in force (`JobPlanning.layout`), or "static" without the planner."""
+        self._last, self._plan = metrics, plan
         if self._live is not None:
             self._live.update(self._render())
         else:
@@ -31,7 +33,7 @@ class Progress:
                 f"trained {metrics.num_trajectories} (stale-dropped {metrics.num_dropped_stale})  "
                 f"rollout {metrics.rollout_tokens_per_s:.0f} tok/s  step {metrics.step_time_s:.1f} s "
                 f"(train {metrics.train_time_s:.1f}, publish {metrics.publish_time_s:.2f})  "
-                f"buckets {self._occupancy}",
+                f"buckets {self._occupancy}  plan {plan}",
                 flush=True,
             )
 
@@ -58,6 +60,7 @@ class Progress:
                 else "-",
             ),
             ("router", self.job.router),
+            ("plan", self._plan),
         ]
         for k, v in rows:
             table.add_row(k, v)

@@ -1,14 +1,15 @@
 """The job's Prometheus endpoint (served by the controller process, `job.metrics_port`): per-step
 gauges (reward, step/train/publish times, staleness, stale drops, the train/inference logprob
-gap), rollout throughput and
-requests in flight per bucket (sampled every second), and counters of trajectories, instance
-losses and restarts."""
+gap); sampled every second, rollout throughput, requests in flight per bucket and per instance,
+each instance's tokens/s and KV-cache use, busy and held devices per stage, migrations; counters
+of trajectories, instance losses and restarts, and planner decisions and actions by kind, with
+the version of the plan last adopted."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from libra.job.recorder import StepMetrics
+from libra.job.recorder import ClusterSample, StepMetrics
 
 
 class JobMetrics:
@@ -29,6 +30,28 @@ class JobMetrics:
                                  ["stat"], registry=r)  # fmt: skip
         self.faults = Counter("libra_instance_events_total", "Rollout instance losses and restarts", ["kind"],
                               registry=r)  # fmt: skip
+        labels = ["instance", "tp", "bucket"]
+        self.instance_tokens_per_s = Gauge(
+            "libra_instance_tokens_per_second", "Generated tokens/s per instance", labels, registry=r
+        )
+        self.instance_requests = Gauge(
+            "libra_instance_requests_in_flight", "Requests in flight per instance", labels, registry=r
+        )
+        self.instance_kv = Gauge(
+            "libra_instance_kv_cache_usage", "KV-cache share in use per instance", labels, registry=r
+        )
+        self.devices = Gauge(
+            "libra_stage_devices", "Devices per stage, busy or held", ["stage", "state"], registry=r
+        )
+        self.migrations = Counter(
+            "libra_migrations_total", "Tool returns routed to another instance", registry=r
+        )
+        self.planner = Counter(
+            "libra_planner_events_total", "Planner decisions, actions and hybrid states", ["kind"], registry=r
+        )
+        self.plan_version = Gauge("libra_plan_version", "Version of the plan last adopted", registry=r)
+        self._migrations_seen = 0
+        self._instances_seen: set[tuple[str, str, str]] = set()
         self.server, _ = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
 
@@ -48,14 +71,33 @@ class JobMetrics:
         self.dropped.inc(m.num_dropped_stale)
         self.trajectories.inc(m.num_trajectories)
 
-    def on_occupancy(self, per_bucket: dict[str, int], tokens_per_s: float) -> None:
-        self.tokens_per_s.set(tokens_per_s)
-        for bucket, count in per_bucket.items():
+    def on_occupancy(self, sample: ClusterSample) -> None:
+        self.tokens_per_s.set(sample.tokens_per_s)
+        for bucket, count in sample.buckets.items():
             self.in_flight.labels(bucket).set(count)
+        current = {(i, str(s.tp), s.bucket) for i, s in sample.instances.items()}
+        for gone in self._instances_seen - current:  # a lost or retired instance leaves the series
+            for gauge in (self.instance_tokens_per_s, self.instance_requests, self.instance_kv):
+                gauge.remove(*gone)
+        self._instances_seen = current
+        for instance_id, s in sample.instances.items():
+            labels = (instance_id, str(s.tp), s.bucket)
+            self.instance_tokens_per_s.labels(*labels).set(s.tokens_per_s)
+            self.instance_requests.labels(*labels).set(s.requests)
+            self.instance_kv.labels(*labels).set(s.kv_cache_usage)
+        for stage, (busy, held) in sample.devices.items():
+            self.devices.labels(stage, "busy").set(busy)
+            self.devices.labels(stage, "held").set(held)
+        self.migrations.inc(max(sample.migrations - self._migrations_seen, 0))
+        self._migrations_seen = sample.migrations
 
-    def on_event(self, kind: str) -> None:
+    def on_event(self, kind: str, extra: dict) -> None:
         if kind in ("instance_lost", "instance_restarted"):
             self.faults.labels(kind).inc()
+        if kind.startswith(("plan_", "hybrid_")):
+            self.planner.labels(kind).inc()
+        if kind == "plan_applied" and "plan_version" in extra:
+            self.plan_version.set(extra["plan_version"])
 
     def close(self) -> None:
         self.server.shutdown()

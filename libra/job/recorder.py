@@ -67,6 +67,33 @@ class HeldOutEvaluation:
     """Share of the trajectories that called a tool at least once."""
 
 
+@dataclass(frozen=True)
+class InstanceSample:
+    tp: int
+    bucket: str
+    requests: int
+    """Requests in flight on the instance (running and waiting in its engine)."""
+    tokens_per_s: float
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True)
+class ClusterSample:
+    """The running cluster, sampled every second (`occupancy.jsonl`, the Prometheus gauges)."""
+
+    buckets: dict[str, int]
+    """Requests in flight per bucket."""
+    tokens_per_s: float
+    """Generated tokens/s of all instances."""
+    instances: dict[str, InstanceSample]
+    """By instance id."""
+    migrations: int
+    """Tool returns routed to another instance than the turn before, since the run started."""
+    devices: dict[str, tuple[int, int]]
+    """Per stage (`rollout`, `train`): (busy devices, devices held). A rollout device is busy
+    while its instance has requests in flight, a core train rank's while a train step runs."""
+
+
 class RunRecorder:
     def __init__(self, run_dir: Path, tensorboard: bool = True, prometheus=None):
         """`prometheus`: a `libra.job.prometheus.JobMetrics` to mirror steps, occupancy and events."""
@@ -138,17 +165,16 @@ class RunRecorder:
             f"tool use {result.tool_use_rate:.2f} over {result.num_tasks} x {result.samples_per_task}"
         )
 
-    def occupancy(self, per_bucket: dict[str, int], tokens_per_s: float) -> None:
-        row = {"time_s": round(self.elapsed(), 2), "buckets": per_bucket, "tokens_per_s": tokens_per_s}
-        self._write("occupancy", row)
+    def occupancy(self, sample: ClusterSample) -> None:
+        self._write("occupancy", {"time_s": round(self.elapsed(), 2), **asdict(sample)})
         if self._prometheus is not None:
-            self._prometheus.on_occupancy(per_bucket, tokens_per_s)
+            self._prometheus.on_occupancy(sample)
 
     def event(self, kind: str, message: str, **extra) -> None:
         self._write("events", {"time_s": round(self.elapsed(), 2), "kind": kind, "message": message, **extra})
         self._publish(f"{kind}: {message}")
         if self._prometheus is not None:
-            self._prometheus.on_event(kind)
+            self._prometheus.on_event(kind, extra)
 
     def _publish(self, message: str) -> None:
         if self._events is not None:

@@ -92,6 +92,7 @@ def write_report(run_dir: str | Path) -> Path:
         f"(train {_mean([s['train_time_s'] for s in steps]):.1f} s, "
         f"publish {_mean([s['publish_time_s'] for s in steps]):.2f} s)",
         _gap_line(steps),
+        *_utilisation_lines(occupancy),
         "",
         f"![reward]({reward_png})",
         f"![throughput]({throughput_png})",
@@ -114,6 +115,22 @@ def write_report(run_dir: str | Path) -> Path:
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _utilisation_lines(occupancy: list[dict]) -> list[str]:
+    """Busy share of each stage's devices over the 1 s samples, and the migrations at the last."""
+    sampled = [o for o in occupancy if "devices" in o]
+    if not sampled:
+        return []
+    shares = []
+    for stage in sampled[-1]["devices"]:
+        busy = sum(o["devices"][stage][0] for o in sampled if stage in o["devices"])
+        held = sum(o["devices"][stage][1] for o in sampled if stage in o["devices"])
+        shares.append(f"{stage} {100 * busy / held:.0f} %" if held else f"{stage} -")
+    return [
+        f"- device utilisation ({len(sampled)} 1 s samples, busy / held): {', '.join(shares)}",
+        f"- migrations (tool returns routed to another instance): {sampled[-1]['migrations']}",
+    ]
 
 
 def _gap(step: dict) -> str:

@@ -17,7 +17,7 @@ from libra.config import LibraConfig
 from libra.control import WorkerRole
 from libra.job.config import JobConfig
 from libra.job.progress import Progress
-from libra.job.recorder import RunRecorder
+from libra.job.recorder import ClusterSample, InstanceSample, RunRecorder
 from libra.job.trainer import TrainRanks
 from libra.job.workers import JobCluster, Placement, free_port, training_json
 from libra.rollout import AgentLoop, InstanceClient, InstancePool, InstanceUnavailable
@@ -54,6 +54,8 @@ class JobWorkers:
         self._load_seconds: dict[int, float] = {}
         self._retired: list[InstanceClient] = []
         self.restarts = 0
+        self.training_now = False
+        """A train step is running (the loop sets it; the device-busy samples read it)."""
         self.on_instance_restarted = None
         self.on_instance_gone = None
         """Called with the id of a lost instance that cannot be restarted (its agent is lost)."""
@@ -352,13 +354,34 @@ class JobWorkers:
             ids = self.pool.live_ids()
             stats = await asyncio.gather(*(self._stats(i) for i in ids))
             per_bucket = {b.name: 0 for b in buckets}
-            tokens_per_s = 0.0
+            instances = {}
             for instance_id, s in zip(ids, stats, strict=True):
                 if s is not None:
-                    per_bucket[buckets[self.pool.get(instance_id).bucket].name] += s.num_active_requests
-                    tokens_per_s += s.generated_tokens_per_s
-            self.recorder.occupancy(per_bucket, round(tokens_per_s, 1))
-            self.progress.occupancy(per_bucket, tokens_per_s)
+                    bucket = buckets[self.pool.get(instance_id).bucket].name
+                    per_bucket[bucket] += s.num_active_requests
+                    instances[str(instance_id)] = InstanceSample(
+                        s.tensor_parallel_size,
+                        bucket,
+                        s.num_active_requests,
+                        round(s.generated_tokens_per_s, 1),
+                        round(s.kv_cache_usage, 4),
+                    )
+            train_ranks = self.config.training.world_size
+            sample = ClusterSample(
+                buckets=per_bucket,
+                tokens_per_s=round(sum(i.tokens_per_s for i in instances.values()), 1),
+                instances=instances,
+                migrations=self.agent_loop.num_migrations,
+                devices={
+                    "rollout": (
+                        sum(i.tp for i in instances.values() if i.requests),
+                        sum(i.tp for i in instances.values()),
+                    ),
+                    "train": (train_ranks if self.training_now else 0, train_ranks),
+                },
+            )
+            self.recorder.occupancy(sample)
+            self.progress.occupancy(per_bucket, sample.tokens_per_s)
 
     async def _watch_instances(self) -> None:
         """A rollout worker that ended without being asked is marked lost (its trajectories

@@ -128,15 +128,20 @@ class JobCluster:
         raise RuntimeError(f"{self.job.num_agents} node agent(s) did not register within {timeout_s} s")
 
     def place(self, num_devices: int, what: str) -> Placement:
-        """Takes `num_devices` free devices of one agent."""
+        """Takes `num_devices` free devices of one agent: the lowest free block aligned to its size,
+        the planner's rule (`libra.planner.plan.place_rollout`), so that the launch layout is a
+        plan it can hold."""
         for i, (agent_id, devices) in enumerate(self._free):
-            if len(devices) >= num_devices:
-                taken, rest = devices[:num_devices], devices[num_devices:]
-                self._free[i] = (agent_id, rest)
-                return Placement(agent_id, tuple(taken))
+            free = set(devices)
+            for start in range(0, max(devices, default=-1) + 1, num_devices):
+                block = list(range(start, start + num_devices))
+                if free.issuperset(block):
+                    self._free[i] = (agent_id, sorted(free.difference(block)))
+                    return Placement(agent_id, tuple(block))
         free = {a: len(d) for a, d in self._free}
         raise ValueError(
-            f"no agent has {num_devices} free device(s) for {what}; free devices per agent: {free} "
+            f"no agent has {num_devices} free device(s) in an aligned block for {what}; "
+            f"free devices per agent: {free} "
             "(raise backend.num_devices, or use fewer rollout instances / a smaller training.tensor_parallel)"
         )
 

@@ -220,7 +220,8 @@ class SearchConfig:
     train_pp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     split_granularity: int = 0
     """Training takes a multiple of this many devices; 0: whole nodes. Below a node it must be a
-    power of two that every rollout TP size divides, so that rollout instances stay aligned."""
+    power of two dividing the node (rollout instances still get aligned blocks:
+    `libra.planner.plan.place_rollout`)."""
     min_train_devices: int = 1
     min_rollout_devices: int = 1
     relative_tolerance: float = 1e-9
@@ -251,8 +252,8 @@ class SearchConfig:
             )
 
     def granularity(self, cluster: ClusterSpec) -> int:
-        """The effective split granularity on `cluster`; ValueError when it cannot keep rollout
-        instances aligned."""
+        """The effective split granularity on `cluster`; ValueError when it is neither a divisor
+        nor a multiple of the node."""
         g = self.split_granularity or cluster.devices_per_node
         dpn = cluster.devices_per_node
         if g % dpn and not (_is_power_of_two(g) and dpn % g == 0):
@@ -260,14 +261,6 @@ class SearchConfig:
                 f"planner.search.split_granularity ({g}) must divide or be a multiple of "
                 f"devices_per_node ({dpn})"
             )
-        if g < dpn:
-            too_big = [k for k in self.rollout_tp_sizes if k <= dpn and g % k]
-            if too_big:
-                raise ValueError(
-                    f"planner.search.split_granularity ({g}) below a node must be a multiple "
-                    f"of every rollout "
-                    f"TP size; {too_big} are not (raise the granularity or drop them from rollout_tp_sizes)"
-                )
         return g
 
 

@@ -7,7 +7,7 @@ Training grows or shrinks by whole DP replicas through the elastic hybrid pool w
 of the training layout restarts training from its latest checkpoint. Rollout instances are
 matched by (TP, devices): unchanged ones keep running; the others are stopped -- draining their
 in-flight trajectories, or cutting them (they resume elsewhere from their kept tokens) -- before
-new ones start on the freed devices.
+new ones start on the freed devices, and those start before new hybrid replicas join.
 """
 
 from __future__ import annotations
@@ -126,12 +126,15 @@ def diff_plans(old: Plan | None, new: Plan, cut_inflight: bool = False) -> tuple
                 cfg.micro_batch,
             )
         )
-    elif old is not None:
-        for r in range(old.training.config.dp, new.training.config.dp):
-            actions.append(JoinHybridReplica(r, new.training.replica_devices(r)))
+    # New rollout instances start before hybrid replicas join: the stops may have left rollout
+    # without an instance, and while rollout is empty the whole loop waits (a missing replica
+    # only makes training slower).
     for key, instance in new_instances.items():
         if key not in old_instances:
             actions.append(StartRolloutInstance(instance.instance_id, instance.tp, instance.devices))
+    if not restart and old is not None:
+        for r in range(old.training.config.dp, new.training.config.dp):
+            actions.append(JoinHybridReplica(r, new.training.replica_devices(r)))
     thresholds = tuple((b.tp, b.max_output_tokens) for b in new.buckets)
     if old is None or thresholds != tuple((b.tp, b.max_output_tokens) for b in old.buckets):
         actions.append(SetBucketThresholds(thresholds))

@@ -2,8 +2,8 @@
 
 Devices are numbered node-major across the cluster (device d is local device d % devices_per_node
 of node d // devices_per_node). Training holds the first `num_devices` devices as DP replicas of
-TP x PP contiguous devices; rollout instances follow, each on an aligned block of its TP size
-inside one node.
+TP x PP contiguous devices; rollout instances take the rest, each on a block of its TP size
+aligned to that size (so inside one node).
 """
 
 from __future__ import annotations
@@ -83,6 +83,13 @@ class Plan:
             used.update(instance.devices)
         return tuple(d for d in range(self.num_devices) if d not in used)
 
+    def layout(self) -> str:
+        """One line: who holds which devices (the job's progress line)."""
+        cfg = self.training.config
+        hybrid = f" (+{len(self.training.hybrid_replicas)} hybrid)" if self.training.hybrid_replicas else ""
+        rollout = " + ".join(f"TP-{b.tp} x{b.num_instances}" for b in self.buckets if b.num_instances)
+        return f"train {_span(self.training.devices)} DP {cfg.dp}{hybrid}, rollout {rollout or 'none'}"
+
     def describe(self) -> str:
         """A human-readable summary (what `libra plan` prints)."""
         cfg = self.training.config
@@ -114,21 +121,32 @@ def place_rollout(
     first_device: int, num_devices: int, devices_per_node: int, tp_sizes: list[int]
 ) -> tuple[RolloutInstance, ...]:
     """Places instances of the given TP sizes on [first_device, num_devices), largest first, each
-    on the next block aligned to its size. With power-of-two sizes that divide the node and a
-    start aligned to every size, this packs without gaps and no instance straddles a node."""
+    on the lowest free block aligned to its size. With power-of-two sizes that divide the node and
+    a cluster of whole nodes, every set of sizes that fits in the range's device count is placed
+    (training may end mid-block: with 1 train device of 4, a TP-2 instance takes devices 2-3 and a
+    TP-1 device 1), and no instance straddles a node."""
+    free = [True] * num_devices
     instances = []
-    offset = first_device
     for tp in sorted(tp_sizes, reverse=True):
-        if (
-            offset % tp
-            or offset + tp > num_devices
-            or offset // devices_per_node != (offset + tp - 1) // devices_per_node
-        ):
-            raise ValueError(f"cannot place a TP-{tp} instance at device {offset} (of {num_devices})")
+        start = _first_aligned_block(free, max(first_device, 0), tp)
+        if start is None or (start // devices_per_node != (start + tp - 1) // devices_per_node):
+            raise ValueError(
+                f"cannot place a TP-{tp} instance on devices {first_device}..{num_devices - 1} "
+                f"(sizes {sorted(tp_sizes, reverse=True)})"
+            )
+        free[start : start + tp] = [False] * tp
         instances.append(
             RolloutInstance(
-                f"rollout-tp{tp}-d{offset}", tp, tuple(range(offset, offset + tp)), offset // devices_per_node
+                f"rollout-tp{tp}-d{start}", tp, tuple(range(start, start + tp)), start // devices_per_node
             )
         )
-        offset += tp
     return tuple(instances)
+
+
+def _first_aligned_block(free: list[bool], first: int, size: int) -> int | None:
+    start = -(-first // size) * size
+    while start + size <= len(free):
+        if all(free[start : start + size]):
+            return start
+        start += size
+    return None

@@ -393,8 +393,11 @@ def _search_space(
         np.stack([np.where(space.latency[k] <= best, k * space.work[k], np.inf) for k in space.tp_sizes]),
         axis=0,
     )
+    high = work_bound
+    if best < high and space.min_device_count(best, best) <= rest:
+        high = best  # rollout bounds the step: its optimum, not a point within the tie-break of it
     rollout_s = space.min_makespan(
-        rest, TIE_BREAK_TOLERANCE, low=float(device_seconds.sum()) / rest, latency_cap_s=best, high=work_bound
+        rest, TIE_BREAK_TOLERANCE, low=float(device_seconds.sum()) / rest, latency_cap_s=best, high=high
     )
     buckets = space.buckets_at(rollout_s, best)
     buckets = _spend_leftover(space, buckets, n_total - training.config.num_devices)

@@ -82,6 +82,8 @@ class AgentLoop:
         self.cmlfq = cmlfq or CmlfqConfig()
         self._on_call = on_call
         self._request_seq = itertools.count()
+        self.num_migrations = 0
+        """Tool returns the router sent to another instance than the turn before (metrics)."""
 
     async def run_all(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
         return list(await asyncio.gather(*(self.run(t) for t in trajectories)))
@@ -144,6 +146,7 @@ class AgentLoop:
                 trajectory.trajectory_id, state, trajectory.num_generated_tokens
             )
             instance_id = decision.instance_id
+            self.num_migrations += decision.migrated
             turn_start = len(trajectory.response_token_ids)
 
     async def _generate(self, trajectory: Trajectory, instance_id: int) -> tuple[Segment | None, int]:

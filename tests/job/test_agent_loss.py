@@ -5,7 +5,7 @@ it. The controller must detect the agent's loss (missed heartbeats), the job mus
 instance's trajectories, not restart it on the dead node, drop it from the plan (the planner
 reconciled to the remaining devices) and finish every step with no trajectory lost.
 
-Needs what the short-run test needs, and about two minutes.
+Needs the cached warm-started policy (`tests/job/test_default_run.py`) and about two minutes.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ OVERRIDES = [
     "job.live_progress=false",
     "job.num_agents=2",
     "backend.num_devices=2",
+    "job.rollout_tp_sizes=1,1",  # one TP-1 instance on each agent
     "planner.policy.auto_apply=false",
 ]
 if os.environ.get("LIBRA_JOB_TEST_MODEL"):

@@ -55,7 +55,7 @@ def test_config_file_and_overrides():
         0.5,
         0.01,
     )
-    assert job.tp_sizes == [1, 1] and job.batch_size == config.training.train_batch_size
+    assert job.tp_sizes == [2, 1] and job.batch_size == config.training.train_batch_size
     with pytest.raises(ValueError, match="unknown config option 'num_stepz'"):
         load_job_config(CONFIG, ["job.num_stepz=3"])
 
@@ -117,8 +117,10 @@ def test_report_from_run_folder(tmp_path):
         )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     occupancy = [
-        {"time_s": t, "buckets": {"short": t % 3, "long": 0}, "tokens_per_s": 90.0} for t in range(60)
-    ]
+        {"time_s": t, "buckets": {"short": t % 3, "long": 0}, "tokens_per_s": 90.0, "instances": {},
+         "migrations": t // 10, "devices": {"rollout": [t % 2, 2], "train": [t % 4 == 0, 1]}}
+        for t in range(60)
+    ]  # fmt: skip
     (tmp_path / "occupancy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in occupancy))
     (tmp_path / "events.jsonl").write_text(
         json.dumps({"time_s": 20.0, "kind": "instance_lost", "message": "x"}) + "\n"
@@ -137,6 +139,9 @@ def test_report_from_run_folder(tmp_path):
     assert "held-out after (version 6, 32 tasks x 4, never trained on): reward 0.250, tool use 0.95" in report
     assert "instance_lost" in report and report.count("\n| ") == 6 + 2
     assert "logprob gap over 5 steps (500 tokens): mean 1.0e-06, max 6.0e-06" in report
+    # Rollout: 30 busy device-samples of 120 held; train: 15 of 60.
+    assert "device utilisation (60 1 s samples, busy / held): rollout 25 %, train 25 %" in report
+    assert "migrations (tool returns routed to another instance): 5" in report
     for name in ("reward", "throughput", "occupancy"):
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 1000
 
@@ -145,15 +150,28 @@ def test_prometheus_endpoint_serves_the_step_metrics():
     import urllib.request
 
     from libra.job.prometheus import JobMetrics
-    from libra.job.recorder import StepMetrics
+    from libra.job.recorder import ClusterSample, InstanceSample, StepMetrics
+
+    def sample(instances: dict, migrations: int) -> ClusterSample:
+        return ClusterSample(
+            {"short": 5, "long": 1}, 123.0, instances, migrations, {"rollout": (2, 3), "train": (1, 1)}
+        )
+
+    def scrape() -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10).read().decode()
 
     metrics = JobMetrics(port=0)
     try:
         values = dict.fromkeys(StepMetrics.__dataclass_fields__, 0)
         metrics.on_step(StepMetrics(**{**values, "step": 3, "mean_reward": 0.25, "num_dropped_stale": 2}))
-        metrics.on_occupancy({"short": 5, "long": 1}, 123.0)
-        metrics.on_event("instance_lost")
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10).read().decode()
+        two = {"0": InstanceSample(2, "long", 1, 80.0, 0.5), "1": InstanceSample(1, "short", 5, 43.0, 0.25)}
+        metrics.on_occupancy(sample(two, 4))
+        metrics.on_event("instance_lost", {})
+        metrics.on_event("plan_applied", {"plan_version": 2})
+        metrics.on_event("plan_rejected", {"plan_version": 2})
+        text = scrape()
+        metrics.on_occupancy(sample({"1": two["1"]}, 7))  # instance 0 gone, three more migrations
+        later = scrape()
     finally:
         metrics.close()
     for line in (
@@ -163,5 +181,17 @@ def test_prometheus_endpoint_serves_the_step_metrics():
         'libra_bucket_requests_in_flight{bucket="short"} 5.0',
         "libra_rollout_tokens_per_second 123.0",
         'libra_instance_events_total{kind="instance_lost"} 1.0',
+        'libra_instance_tokens_per_second{bucket="long",instance="0",tp="2"} 80.0',
+        'libra_instance_requests_in_flight{bucket="short",instance="1",tp="1"} 5.0',
+        'libra_instance_kv_cache_usage{bucket="long",instance="0",tp="2"} 0.5',
+        'libra_stage_devices{stage="rollout",state="busy"} 2.0',
+        'libra_stage_devices{stage="train",state="held"} 1.0',
+        "libra_migrations_total 4.0",
+        'libra_planner_events_total{kind="plan_applied"} 1.0',
+        'libra_planner_events_total{kind="plan_rejected"} 1.0',
+        "libra_plan_version 2.0",
     ):
         assert line in text, line
+    assert "libra_migrations_total 7.0" in later
+    assert 'instance="0"' not in later
+    assert 'libra_instance_tokens_per_second{bucket="short",instance="1",tp="1"} 43.0' in later

@@ -32,6 +32,10 @@ OVERRIDES = [
     "job.live_progress=false",
     "job.eval_tasks=0",
     "job.planner=false",
+    # The 3-slot TP-1 layout: what this test exercises does not need the default's TP-2
+    # instance, and it starts faster.
+    "backend.num_devices=3",
+    "job.rollout_tp_sizes=1,1",
 ]
 if os.environ.get("LIBRA_JOB_TEST_MODEL"):
     OVERRIDES.append(f"job.model={os.environ['LIBRA_JOB_TEST_MODEL']}")
@@ -117,6 +121,10 @@ def test_resume_continues_from_the_last_checkpoint_to_the_end(killed_and_resumed
     final = json.loads((run_dir / "checkpoints" / f"step_{NUM_STEPS:06d}" / "job_state.json").read_text())
     assert final["data_position"] > killed_and_resumed["state"]["data_position"]
     assert final["version"] == NUM_STEPS
+    # The instances of the resumed run got the checkpoint's weights: their logprobs agree with
+    # the trainer's.
+    resumed_steps = read_jsonl(run_dir / "metrics.jsonl")[before:]
+    assert all(s["logprob_abs_diff"] < 1e-3 for s in resumed_steps if s["num_current_tokens"] > 0)
 
 
 def test_no_trajectory_of_the_resumed_run_is_lost(killed_and_resumed):

@@ -1,5 +1,5 @@
 """The planner and the elastic hybrid pool inside a short run of the embedded default
-(configs/tiny_cpu.py, 3 CPU slots: the core train rank on device 0, TP-1 instances on devices 1
+(configs/tiny_cpu.py on 3 CPU slots: the core train rank on device 0, TP-1 instances on devices 1
 and 2), with a fault.
 
 The launch layout is the planner's current plan. An external controller follows the run through
@@ -12,7 +12,7 @@ device 1 back to rollout (a new instance, brought to the current weights). No tr
 lost, and the plan decisions, executed actions and hybrid states must be in the run's events and
 its report.
 
-Needs what the short-run test needs (the cached warm-started policy, about 5 GB) and about three
+Needs the cached warm-started policy (`tests/job/test_default_run.py`), about 5 GB and about three
 minutes (the hybrid's engine and the new instance start on a busy 2-core machine).
 """
 
@@ -48,6 +48,10 @@ OVERRIDES = [
     "job.live_progress=false",
     "planner.policy.auto_apply=false",
     "planner.execution.drain_timeout_s=10",
+    # The 3-slot TP-1 layout: what this test exercises does not need the default's TP-2
+    # instance, and it starts faster.
+    "backend.num_devices=3",
+    "job.rollout_tp_sizes=1,1",
 ]
 if os.environ.get("LIBRA_JOB_TEST_MODEL"):
     OVERRIDES.append(f"job.model={os.environ['LIBRA_JOB_TEST_MODEL']}")

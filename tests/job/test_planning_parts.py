@@ -119,7 +119,13 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
     (workers rollout-0, rollout-1) on devices 1 and 2. Call inside a running loop."""
     config, job = load_job_config(
         "configs/tiny_cpu.py",
-        ["job.prompts_per_step=2", "job.group_size=4", "training.train_batch_size=8"],
+        [
+            "job.prompts_per_step=2",
+            "job.group_size=4",
+            "training.train_batch_size=8",
+            "backend.num_devices=3",
+            "job.rollout_tp_sizes=1,1",
+        ],
     )
     problem = planning_problem(config, job, model_dir)
     bus = EventBus()

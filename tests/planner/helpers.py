@@ -51,9 +51,8 @@ def random_problem(seed: int) -> PlanningProblem:
     history = tuple(RequestRecord(int(rng.integers(16, 2048)), int(o)) for o in outputs)
     granularity = int(rng.choice([0, dpn, 2 * dpn])) if n >= 2 * dpn else 0
     rollout_sizes = tuple(int(k) for k in rng.choice([1, 2, 4], size=int(rng.integers(1, 4)), replace=False))
-    if granularity == 0 and rng.random() < 0.3 and 1 in rollout_sizes:  # sub-node split
+    if granularity == 0 and rng.random() < 0.3:  # sub-node split: rollout starts mid-block
         granularity = 1
-        rollout_sizes = (1,)
     search = SearchConfig(
         rollout_tp_sizes=rollout_sizes,
         train_tp_sizes=(1, 2, 4),

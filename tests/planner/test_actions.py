@@ -129,8 +129,8 @@ def test_replans_drain_cut_join_release_in_order(setup):
     rollout.calls.clear()
     plan2, actions = diff_plans(plan1, make_plan(dp=2, rollout=[2]), cut_inflight=False)
     assert [type(a) for a in actions[:5]] == [StopRolloutInstance] * 3 + [
-        JoinHybridReplica,
         StartRolloutInstance,
+        JoinHybridReplica,
     ]
     report = executor.execute(actions, plan_version=2)
     assert report.ok, [r.describe() for r in report.results]

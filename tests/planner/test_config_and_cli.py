@@ -18,7 +18,7 @@ from libra.planner.config import ClusterSpec, ModelArch, SearchConfig, TrainingB
         (lambda: SearchConfig(rollout_tp_sizes=(3,)), "rollout_tp_sizes"),
         (lambda: TriggerPolicy(hysteresis=1.5), "hysteresis"),
         (
-            lambda: SearchConfig(split_granularity=1).granularity(ClusterSpec(1, 8, H200_SXM_141GB)),
+            lambda: SearchConfig(split_granularity=3).granularity(ClusterSpec(1, 8, H200_SXM_141GB)),
             "split_granularity",
         ),
     ],

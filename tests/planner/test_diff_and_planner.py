@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from libra.planner.config import TriggerPolicy, load_problem
@@ -127,3 +128,26 @@ def test_external_controller_vetoes_accepts_and_proposes():
     clash = dataclasses.replace(external, instances=external.instances + (external.instances[0],))
     with pytest.raises(ValueError, match="used twice"):
         planner.propose(clash)
+
+
+def test_rollout_placement_fills_any_range_its_sizes_fit():
+    """Every set of power-of-two sizes whose sum fits in [first, end) is placed on disjoint blocks
+    aligned to their sizes inside one node, even when training ends mid-block; a set that does
+    not fit is refused. The reference is the count alone (top-down packing proves it suffices)."""
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        dpn = int(rng.choice([1, 2, 4, 8]))
+        n = dpn * int(rng.integers(1, 4))
+        first = int(rng.integers(0, n))
+        sizes = [int(rng.choice([k for k in (1, 2, 4, 8) if k <= dpn])) for _ in range(rng.integers(1, 6))]
+        if sum(sizes) > n - first:
+            with pytest.raises(ValueError, match="cannot place"):
+                place_rollout(first, n, dpn, sizes)
+            continue
+        instances = place_rollout(first, n, dpn, sizes)
+        assert sorted(i.tp for i in instances) == sorted(sizes)
+        used = [d for i in instances for d in i.devices]
+        assert len(used) == len(set(used)) and all(first <= d < n for d in used)
+        for i in instances:
+            assert i.devices == tuple(range(i.devices[0], i.devices[0] + i.tp))
+            assert i.devices[0] % i.tp == 0 and i.node == i.devices[0] // dpn == i.devices[-1] // dpn

@@ -1,9 +1,24 @@
-"""A shortened run of the embedded default (configs/tiny_cpu.py) end to end, with a rollout
-instance killed mid-run, then resumed from its checkpoint for two more steps.
+"""A shortened run of the embedded default (configs/tiny_cpu.py) end to end: its layout (a Megatron
+train rank, a TP-1 and a TP-2 rollout bucket under C-MLFQ, the planner in the loop), its batch and
+learning rate, for 20 steps with a held-out evaluation before the first and after the last; the
+TP-2 rollout instance is SIGKILLed after step 1. (Resuming from a checkpoint is
+`test_controller_kill.py`'s.)
+
+It learns (issue #10): the warm-started policy skips its tool on a share of its sampled
+trajectories (`WarmStartConfig.direct_answer_fraction`) and then almost always fails; GRPO teaches
+it to call the tool. The held-out evaluation rolls the same 96 tasks out, 8 samples each, with the
+same sampling, so the comparison is free of the prompt-mix noise of single training batches.
+Measured (4 samples a task): after 20 steps reward 0.091 -> 0.148 and 0.090 -> 0.207, tool use
+0.71 -> 0.96 and 0.74 -> 0.98 (TP-1 pool); after 30 steps of this layout 0.086 -> 0.151, tool use
+0.69 -> 0.99. Tool use rises by ~0.25 every time; the reward by 0.03-0.12 (one standard error of
+the difference is ~0.016 with 8 samples), because sampled copying through the tool (~13-21 %
+success) is what it multiplies. So the tool-use margin is wide and the reward is asserted to
+rise, not by how much.
 
 Needs the warm-started tiny policy (built once per machine and cached under ~/.cache/libra; the
-first build takes several minutes) and about 5 GB of memory: two vLLM instances, a Megatron train
-rank, the controller and a node agent, all real processes on loopback.
+first build takes several minutes), about 9 GB of memory and 8-10 minutes: three vLLM engines
+(one of them TP-2: two workers), a Megatron train rank, the controller and a node agent, all real
+processes on loopback.
 """
 
 from __future__ import annotations
@@ -21,26 +36,25 @@ import pytest
 from libra.config import ControlConfig
 from libra.control.client import ClusterClient
 from libra.control.types import EventKind
-from libra.job.loop import GrpoJob
+from libra.job.loop import GrpoJob, JobResult
 from libra.job.recorder import read_jsonl
 from libra.job.report import write_report
 from libra.job.run import load_job_config
 from libra.logs import LOG_DIR_ENV
 from libra.sim.trace import read_traces
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1500)]
 
-NUM_STEPS = 12
+NUM_STEPS = 20
+CHECKPOINT_INTERVAL = 5
 KILL_AFTER_STEP = 1
-"""Early, so that the restarted instance (20-40 s to start on a loaded 2-core box) rejoins
+"""Early, so that the restarted instance (30-60 s to start on a loaded 2-core box) rejoins
 before the run ends."""
 OVERRIDES = [
     f"job.num_steps={NUM_STEPS}",
-    "job.prompts_per_step=4",
-    "job.group_size=4",
-    "training.train_batch_size=16",
-    "job.checkpoint_interval=4",
+    f"job.checkpoint_interval={CHECKPOINT_INTERVAL}",
     "job.live_progress=false",
+    "job.eval_samples=8",
 ]
 if os.environ.get("LIBRA_JOB_TEST_MODEL"):
     # A given policy folder instead of the cached warm-started one (it must hold the procedural
@@ -50,13 +64,15 @@ LOST_OUTCOMES = {"error", "no_instance", "aborted", "running"}
 
 
 def _kill_an_instance_after(job: GrpoJob, run_dir: Path, step: int, killed: dict) -> None:
-    """SIGKILLs rollout-0's whole process group once `step` steps are recorded."""
+    """SIGKILLs rollout-0 (the TP-2 instance: its engine and both workers) once `step` steps are
+    recorded."""
     while len(read_jsonl(run_dir / "metrics.jsonl")) < step:
         if killed.get("stop"):
             return
         time.sleep(0.2)
     pids = job.workers.instance_pids()
     killed["worker"], killed["at_step"] = "rollout-0", step
+    killed["tp"] = dict(job.workers.instances.values())["rollout-0"]
     os.killpg(pids["rollout-0"], signal.SIGKILL)
     # A client of the controller's gRPC API follows the job as `libra status --watch` does.
     address = (run_dir / "controller.addr").read_text().strip()
@@ -89,7 +105,7 @@ def job_events(run_dir, killed) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, killed) -> Path:
+def result(tmp_path_factory, killed) -> JobResult:
     run_dir = tmp_path_factory.mktemp("job") / "run"
     config, job_config = load_job_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *OVERRIDES])
     job = GrpoJob(config, job_config)
@@ -106,12 +122,48 @@ def run_dir(tmp_path_factory, killed) -> Path:
     assert killed.get("worker") == "rollout-0", "the instance was never killed"
     assert result.version == NUM_STEPS
     write_report(run_dir)
-    return run_dir
+    return result
+
+
+@pytest.fixture(scope="module")
+def run_dir(result) -> Path:
+    return result.run_dir
+
+
+def test_the_default_layout_mixes_tp_sizes_under_cmlfq(run_dir, killed):
+    assert killed["tp"] == 2
+    launch = next(e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "started")
+    assert launch["message"].startswith("2 rollout instances"), launch
+    # C-MLFQ placed trajectories in both buckets of the launch layout (1 s occupancy samples; the
+    # planner may change the layout later, by its cost model).
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    occupancy = [r for r in read_jsonl(run_dir / "occupancy.jsonl") if r["time_s"] <= steps[-1]["time_s"]]
+    busy = {name for row in occupancy for name, n in row["buckets"].items() if n > 0}
+    assert busy == {"short", "long"}, busy
+    assert {i["tp"] for row in occupancy for i in row["instances"].values()} == {1, 2}
+    before_kill = [r for r in occupancy if r["time_s"] <= steps[0]["time_s"]]
+    assert max(r["devices"]["rollout"][1] for r in before_kill) == 3  # TP-2 + TP-1 held at launch
+
+
+def test_held_out_reward_and_tool_use_rise(result):
+    before, after = result.evaluations
+    assert (before.when, before.version, after.when, after.version) == ("before", 0, "after", NUM_STEPS)
+    assert before.num_tasks == after.num_tasks >= 64
+    assert after.tool_use_rate >= before.tool_use_rate + 0.15, result.evaluations
+    assert after.mean_reward > before.mean_reward, result.evaluations
+
+
+def test_training_batches_call_the_tool_more(run_dir):
+    steps = read_jsonl(run_dir / "metrics.jsonl")[:NUM_STEPS]
+    first, last = steps[:5], steps[-5:]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    assert mean(last, "tool_use_rate") >= mean(first, "tool_use_rate") + 0.1, steps
+    assert mean(last, "mean_reward") > mean(first, "mean_reward"), steps
 
 
 def test_every_trajectory_ends_with_an_outcome_and_a_reward(run_dir):
     samples = read_jsonl(run_dir / "samples.jsonl")
-    assert len(samples) >= NUM_STEPS * 16
+    assert len(samples) >= NUM_STEPS * 64
     assert not [s for s in samples if s["outcome"] in LOST_OUTCOMES], "trajectories were lost"
     assert {s["reward"] for s in samples} <= {0.0, 1.0}
     traces = read_traces(run_dir / "trajectories.jsonl")  # the simulator's format, validated
@@ -151,19 +203,24 @@ def test_killed_instance_is_restarted_and_rejoins(run_dir):
     assert "instance_lost" in kinds and "instance_restarted" in kinds
     restarted = next(e for e in events if e["kind"] == "instance_restarted")
     # It was brought to the weights current at its restart (LoadWeights checks the version it
-    # reports) and rejoined the pool: both instances live again.
+    # reports) and rejoined the pool (which the planner may have changed meanwhile).
     assert restarted["version"] >= KILL_AFTER_STEP
-    assert restarted["live_instances"] == 2
+    new_id = restarted["message"].rsplit("rollout-", 1)[1]  # "rollout-0 restarted as rollout-<id>"
+    served = [
+        row
+        for row in read_jsonl(run_dir / "occupancy.jsonl")
+        if row["time_s"] > restarted["time_s"] and row["instances"].get(new_id, {}).get("tokens_per_s", 0) > 0
+    ]
+    assert served, f"instance {new_id} never generated after its restart"
 
 
 def test_run_folder_has_report_checkpoints_and_tensorboard(run_dir):
     report = (run_dir / "report.md").read_text()
-    assert "mean reward" in report and "instance_lost" in report
+    assert "mean reward" in report and "instance_lost" in report and "device utilisation" in report
     for name in ("reward", "throughput", "occupancy"):
         assert (run_dir / "plots" / f"{name}.png").stat().st_size > 1000
-    assert (run_dir / "checkpoints" / "step_000004" / "job_state.json").is_file()
-    assert (run_dir / "checkpoints" / "step_000008" / "job_state.json").is_file()
-    assert (run_dir / "checkpoints" / f"step_{NUM_STEPS:06d}" / "job_state.json").is_file()
+    for step in range(CHECKPOINT_INTERVAL, NUM_STEPS + 1, CHECKPOINT_INTERVAL):
+        assert (run_dir / "checkpoints" / f"step_{step:06d}" / "job_state.json").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -172,22 +229,9 @@ def test_every_worker_writes_structured_logs(run_dir):
     for path in (run_dir / "logs").glob("*.jsonl"):
         records = [json.loads(line) for line in path.read_text().splitlines()]
         by_process.setdefault(path.stem.rsplit("-", 1)[0], []).extend(records)  # <process>-<pid>
-    # Two instances at start and the restarted one; the train rank; the node agent.
+    # Two instances at start (three engine processes: the TP-2 one has a second worker) and the
+    # restarted one; the train rank; the node agent.
     assert {"agent", "rollout-instance", "train-rank-0"} <= set(by_process), sorted(by_process)
     for records in by_process.values():
         assert all({"time", "level", "logger", "pid", "message"} <= set(r) for r in records)
     assert any("rollout instance serving" in r["message"] for r in by_process["rollout-instance"])
-
-
-def test_resume_continues_the_same_run(run_dir):
-    config, job_config = load_job_config(
-        "configs/tiny_cpu.py", [f"run_dir={run_dir}", *OVERRIDES, f"job.num_steps={NUM_STEPS + 2}"]
-    )
-    result = GrpoJob(config, job_config, resume=True).run()
-    assert result.version == NUM_STEPS + 2
-    steps = read_jsonl(run_dir / "metrics.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, NUM_STEPS + 3))
-    resumed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resume"]
-    assert resumed and f"version {NUM_STEPS}" in resumed[0]["message"]
-    # Logprob agreement after resume: the instances got the checkpoint's weights.
-    assert all(s["logprob_abs_diff"] < 1e-3 for s in steps[NUM_STEPS:] if s["num_current_tokens"] > 0)
