@@ -8,7 +8,9 @@ at 160 Ascend 910B, and at 1,024 H100 GPUs; prints each markdown table with Libr
 ratio over every baseline and ablation and its step time over the ideal (no idle device) bound,
 and writes report.md + PNG plots per config under --out. Before each table, "which rollout mix
 wins": the planner's predicted step for a pool of one TP size only against its free choice of
-mix (the planner's cost model; the simulated table then shows what the chosen pool achieves).
+mix (the planner's cost model; the simulated table then shows what the chosen pool achieves);
+and "which split wins", at the start of the drift and at its end: whether a re-plan has another
+split to move to. After each table, what full Libra's re-plans found.
 Single-threaded; each 48-device policy takes about 10-30 s of CPU for 100 steps.
 """
 
@@ -24,9 +26,10 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from libra.planner.search import NoFeasiblePlan, search  # noqa: E402
-from libra.sim import load_sim_config, run_comparison  # noqa: E402
-from libra.sim.loop import preflight_history  # noqa: E402
+from libra.planner.search import NoFeasiblePlan, enumerate_training, search  # noqa: E402
+from libra.planner.training_cost import TrainingCostModel  # noqa: E402
+from libra.sim import WorkloadGenerator, load_sim_config, run_comparison  # noqa: E402
+from libra.sim.loop import PREFLIGHT_GROUP_OFFSET, preflight_history, record_of  # noqa: E402
 from libra.sim.pools import planning_problem  # noqa: E402
 from libra.sim.report import comparison_table, speedup_lines, write_report  # noqa: E402
 
@@ -46,24 +49,80 @@ def mix_table(config) -> str:
         "|---|---|---|---|---|---|",
     ]
     for sizes in [(k,) for k in search_space.rollout_tp_sizes] + [search_space.rollout_tp_sizes]:
-        restricted = dataclasses.replace(
-            problem,
-            config=dataclasses.replace(
-                problem.config, search=dataclasses.replace(search_space, rollout_tp_sizes=sizes)
-            ),
-        )
         label = "any of " + "/".join(map(str, sizes)) if len(sizes) > 1 else f"TP-{sizes[0]} only"
         try:
-            plan = search(restricted, config.train_factors, config.rollout_factors)
+            plan = _search_within(problem, dataclasses.replace(search_space, rollout_tp_sizes=sizes), config)
         except NoFeasiblePlan as error:
             rows.append(f"| {label} | - | - | infeasible: {error} | - | - |")
             continue
-        mix = " + ".join(f"{b.num_instances}xTP{b.tp}" for b in plan.buckets if b.num_instances)
-        rows.append(
-            f"| {label} | {plan.training.config.num_devices} | {mix} | {plan.predicted_step_s:.1f} | "
-            f"{plan.predicted_train_s:.1f} | {plan.predicted_rollout_s:.1f} |"
-        )
+        rows.append(f"| {label} | {plan.training.config.num_devices} | {_plan_cells(plan)} |")
     return "\n".join(rows) + "\n"
+
+
+def _search_within(problem, search_space, config):
+    """The planner's best plan when its search is restricted to `search_space`."""
+    restricted = dataclasses.replace(problem, config=dataclasses.replace(problem.config, search=search_space))
+    return search(restricted, config.train_factors, config.rollout_factors)
+
+
+def _plan_cells(plan) -> str:
+    """A plan's rollout mix and predicted step, train and rollout seconds, as table cells."""
+    mix = " + ".join(f"{b.num_instances}xTP{b.tp}" for b in plan.buckets if b.num_instances)
+    return (
+        f"{mix} | {plan.predicted_step_s:.1f} | {plan.predicted_train_s:.1f} | {plan.predicted_rollout_s:.1f}"
+    )
+
+
+def drifted_history(config, progress: float):
+    """A sample of the workload as it is at `progress` of the run (the preflight's prompts)."""
+    generator = WorkloadGenerator(config.workload)
+    groups = -(-config.history_size // config.workload.group_size)
+    traces = [t for i in range(groups) for t in generator.group(PREFLIGHT_GROUP_OFFSET + i, progress)]
+    return tuple(record_of(t) for t in traces[: config.history_size])
+
+
+def split_table(config) -> str:
+    """The planner's best plan for every training size its space allows, on the workload at the
+    start and at the end of the drift: a re-plan can only pay if another split wins somewhere."""
+    rows = [
+        f"### which split wins ({config.name}, planner's model)",
+        "",
+        "| workload | train devices | rollout | predicted step s | T_train s | T_rollout s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, progress in (("start (step 0)", 0.0), ("end of drift", 1.0)):
+        problem = planning_problem(config, drifted_history(config, progress), config.batch.max_staleness)
+        cost = TrainingCostModel(
+            problem.cluster, problem.model, problem.batch, problem.config, config.train_factors
+        )
+        for n in sorted({c.config.num_devices for c in enumerate_training(problem, cost)}):
+            forced = dataclasses.replace(
+                problem.config.search, min_train_devices=n, min_rollout_devices=config.num_devices - n
+            )
+            try:
+                plan = _search_within(problem, forced, config)
+            except NoFeasiblePlan as error:
+                rows.append(f"| {label} | {n} | infeasible: {error} | - | - | - |")
+                continue
+            rows.append(f"| {label} | {n} | {_plan_cells(plan)} |")
+    return "\n".join(rows) + "\n"
+
+
+def replan_summary(comparison) -> str:
+    """What the re-planning policies' planner did: searches, and the apply rule's verdicts."""
+    lines = []
+    for name, r in comparison.results.items():
+        if not r.planner_search_s:
+            continue
+        notes = [n for n in r.notes if "re-plan" in n or "candidate" in n]
+        same = sum("candidate the running layout" in n for n in notes)
+        lines.append(
+            f"- {name}: {len(r.planner_search_s)} searches, {r.plans_applied} applied, "
+            f"{r.plans_rejected} rejected or vetoed ({same} candidates were the running layout)"
+        )
+        shown = notes if len(notes) <= 6 else [*notes[:3], "...", *notes[-3:]]
+        lines += [f"  - {n}" for n in shown]
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -93,6 +152,7 @@ def main() -> int:
             config = dataclasses.replace(config, policies=tuple(args.policies.split(",")))
         print(f"# {config.name}: migration={config.costs.migration}, {config.num_steps} steps\n")
         print(mix_table(config), flush=True)
+        print(split_table(config), flush=True)
         started = time.perf_counter()
         comparison = run_comparison(config, log=lambda line: print(line, flush=True))
         print(f"\n## {config.name} ({time.perf_counter() - started:.0f} s wall)\n")
@@ -100,6 +160,7 @@ def main() -> int:
             print(comparison.initial_plan.describe() + "\n")
         print(comparison_table(comparison))
         print("\n".join(speedup_lines(comparison)), flush=True)
+        print("\nre-planning:\n" + replan_summary(comparison), flush=True)
         print(f"report: {write_report(comparison, Path(args.out) / config.name)}\n", flush=True)
     return 0
 

@@ -3,7 +3,8 @@ planner with simulated rollout instances and training steps.
 
 Owns the trace format (`trace`, JSONL, derivable from a real `Trajectory`), workload generators
 with long tails and drift (`workloads`), the simulated instance (`instance`: continuous batching
-over the planner's rollout cost model), the event engine (`engine`), the RL loop of each compared
+with vLLM-style chunked prefill under a per-step token budget, over the planner's rollout cost
+model), the event engine (`engine`), the RL loop of each compared
 policy (`loop`, `pools`; a re-plan that changes the buckets updates the router's at run time),
 metrics, the markdown/PNG report, the calibration path (`calibration`) and the validation
 against real runs (`validation`: calibrate on a `libra run` folder, replay its trajectories,

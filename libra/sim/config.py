@@ -230,6 +230,14 @@ class SimConfig:
     fixed_train_fraction: float = 2 / 3
     train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS
     rollout_factors: EfficiencyFactors = DEFAULT_ROLLOUT_FACTORS
+    max_num_batched_tokens: int = 0
+    """Tokens one engine step of a rollout instance processes (vLLM's `max_num_batched_tokens`:
+    the step's decodes first, prefill chunks in what is left); 0: the default vLLM gives an
+    engine started the way `vllm_usage_context` says (`vllm_max_num_batched_tokens`)."""
+    vllm_usage_context: str = "engine"
+    """How rollout engines are started, which sets vLLM's default token budget: `engine`
+    (`AsyncLLM.from_engine_args`, what `libra.rollout` does), `llm` (the offline `LLM` class,
+    verl's synchronous rollout) or `api_server` (`vllm serve`)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -259,6 +267,24 @@ class SimConfig:
             )
         if not 0 < self.fixed_train_fraction < 1:
             raise ValueError(f"sim.fixed_train_fraction must be in (0, 1), got {self.fixed_train_fraction}")
+        if self.vllm_usage_context not in VLLM_USAGE_CONTEXTS:
+            raise ValueError(
+                f"sim.vllm_usage_context must be one of {VLLM_USAGE_CONTEXTS}, "
+                f"got {self.vllm_usage_context!r}"
+            )
+        if self.max_num_batched_tokens and self.max_num_batched_tokens < self.planner.max_decode_batch:
+            raise ValueError(
+                f"sim.max_num_batched_tokens ({self.max_num_batched_tokens}) must be 0 or >= "
+                f"planner.max_decode_batch ({self.planner.max_decode_batch}), as vLLM requires"
+            )
+
+    def token_budget(self, tp: int) -> int:
+        """The engine step's token budget of a TP-tp rollout instance (vLLM's defaults scale
+        with the world size on the CPU only)."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        budget = vllm_max_num_batched_tokens(PROFILES[self.profile], self.vllm_usage_context, tp)
+        return max(budget, self.planner.max_decode_batch)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -267,6 +293,35 @@ class SimConfig:
     @property
     def num_devices(self) -> int:
         return self.num_nodes * self.devices_per_node
+
+
+VLLM_USAGE_CONTEXTS = ("engine", "llm", "api_server")
+GIB = 2**30
+
+
+def vllm_max_num_batched_tokens(profile: HardwareProfile, usage: str, world_size: int = 1) -> int:
+    """vLLM's default `max_num_batched_tokens` when none is given (vLLM 0.32,
+    `EngineArgs.get_batch_defaults` and `SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS`).
+
+    Only the `LLM` class and the API server have per-hardware defaults; any other usage context
+    -- `AsyncLLM.from_engine_args` passes ENGINE_CONTEXT, which is how `libra.rollout` starts its
+    engines -- gets the SchedulerConfig default, 2048 tokens, on every platform. The per-hardware
+    table: devices with >= 160 GiB 16384/16384 (LLM/API server); >= 70 GiB and not an A100
+    16384/8192 (A800, H100, H200); others 8192/2048 (Ascend 910B by its 64 GB: vllm-ascend may
+    set its own); the CPU 4096/2048 per rank of the world."""
+    if usage not in VLLM_USAGE_CONTEXTS:
+        raise ValueError(f"vLLM usage context must be one of {VLLM_USAGE_CONTEXTS}, got {usage!r}")
+    if usage == "engine":
+        return 2048
+    llm = usage == "llm"
+    if profile.name.lower().startswith("cpu"):
+        return (4096 if llm else 2048) * world_size
+    memory = profile.memory_capacity_bytes
+    if memory >= 160 * GIB:
+        return 16384
+    if memory >= 70 * GIB and "a100" not in profile.name.lower():
+        return 16384 if llm else 8192
+    return 8192 if llm else 2048
 
 
 def load_sim_config(path: str | Path) -> SimConfig:

@@ -6,8 +6,8 @@ scheduled, first run), so a run is a pure function of its config and seed. The R
 (`libra.sim.loop`) schedules its own events (training steps, weight publication, plan changes)
 on the same heap and is told, through `on_finish`, when a trajectory completes.
 
-A trajectory's life: `start` -> router.admit -> a prefill and decode on the chosen instance ->
-at the end of each turn either the end (router.on_finish) or a tool call; when the tool returns
+A trajectory's life: `start` -> router.admit -> a (chunked) prefill and decode on the chosen
+instance -> at the end of each turn either the end (router.on_finish) or a tool call; when the tool returns
 (after its traced latency) router.on_tool_return says where the next turn runs. On the same
 instance only the tool result is prefilled (the prefix is cached); elsewhere the whole context is
 re-prefilled, or its KV moved, per `MovementCosts.migration`.
@@ -24,7 +24,7 @@ from libra.planner.rollout_cost import RolloutCostModel
 from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.scheduler.interface import Decision, Router
 from libra.scheduler.tool_state import ToolReturnState
-from libra.sim.instance import DecodeCoefficients, Instance, Sequence, prefill_s
+from libra.sim.instance import Instance, Sequence, StepCoefficients
 from libra.sim.trace import TrajectoryTrace
 
 
@@ -77,11 +77,15 @@ class RolloutCluster:
         max_batch: int,
         migration: str = "reprefill",
         kv_move_bandwidth_bytes_per_s: float = 0.0,
+        token_budget: int | Callable[[int], int] = 2048,
     ):
         self.router = router
         self.cmlfq_config = cmlfq_config
         self.cost = cost
         self.max_batch = max_batch
+        self.token_budget = token_budget
+        """Tokens per engine step of an instance (vLLM's max_num_batched_tokens): one for all,
+        or a function of the instance's TP size."""
         self.migration = migration
         self.kv_move_bandwidth_bytes_per_s = kv_move_bandwidth_bytes_per_s
         self.now = 0.0
@@ -99,7 +103,7 @@ class RolloutCluster:
         self.version = 0
         """The policy version rollout instances serve (turns take it when they start)."""
         self.on_finish: Callable[[LiveTrajectory], None] = lambda traj: None
-        self._coefficients: dict[int, DecodeCoefficients] = {}
+        self._coefficients: dict[int, StepCoefficients] = {}
         self.num_migrations = 0
         self.num_turns = 0
         self.migration_s = 0.0
@@ -120,9 +124,9 @@ class RolloutCluster:
 
     # Instances.
 
-    def coefficients(self, tp: int) -> DecodeCoefficients:
+    def coefficients(self, tp: int) -> StepCoefficients:
         if tp not in self._coefficients:
-            self._coefficients[tp] = DecodeCoefficients.of(self.cost, tp)
+            self._coefficients[tp] = StepCoefficients.of(self.cost, tp)
         return self._coefficients[tp]
 
     def weight(self, tp: int) -> int:
@@ -139,6 +143,7 @@ class RolloutCluster:
             devices,
             self.coefficients(tp),
             self.max_batch,
+            self.token_budget(tp) if callable(self.token_budget) else self.token_budget,
             ready_at=ready_at,
             clock=self.now,
         )
@@ -199,12 +204,9 @@ class RolloutCluster:
     def _cut_from(self, inst: Instance, traj: LiveTrajectory) -> bool:
         """Takes `traj`'s turn off `inst` (decoding or queued); False if it was not there."""
         inst.advance(self.now)
-        seq = next((s for s in (*inst.active, *inst.waiting) if s.key == traj.key), None)
+        seq = inst.remove(traj.key)
         if seq is None:
             return False
-        inst.active = [s for s in inst.active if s is not seq]
-        inst.waiting = type(inst.waiting)(s for s in inst.waiting if s is not seq)
-        inst.kv_tokens = sum(s.context for s in inst.active)
         turn_output = traj.trace.turns[traj.turn].output_tokens
         traj.carried = max(0.0, turn_output - max(seq.left, 0.0))
         traj.context = max(traj.context, seq.context)
@@ -249,9 +251,8 @@ class RolloutCluster:
         if traj.instance is not None and traj.instance in self.instances:
             inst = self.instances[traj.instance]
             inst.advance(self.now)
-            inst.active = [s for s in inst.active if s.key != traj.key]
-            inst.waiting = type(inst.waiting)(s for s in inst.waiting if s.key != traj.key)
-            inst.kv_tokens = sum(s.context for s in inst.active)
+            inst.remove(traj.key)
+            inst.admit_waiting()
             self._reschedule(inst)
         traj.aborted = True
         self.router.on_abort(traj.trajectory_id)
@@ -279,13 +280,14 @@ class RolloutCluster:
             new_tokens = float(traj.trace.turns[traj.turn - 1].payload_tokens) if traj.turn else 0.0
         else:
             new_tokens = self._migration_tokens(traj, inst)
-        seconds = prefill_s(self.cost, self.cost.factors, inst.tp, new_tokens)
-        if self._moves_kv(traj, inst):
-            seconds += self._kv_move_s(traj, inst)
+        # A KV transfer runs over the links, not in the engine's steps: the turn joins the
+        # instance's queue when its KV has arrived.
+        move_s = self._kv_move_s(traj, inst) if self._moves_kv(traj, inst) else 0.0
         if len(traj.versions) == traj.turn:  # a cut turn resumes under the version it began with
             traj.versions.append(self.version)
         inst.advance(self.now)
-        inst.enqueue(Sequence(traj.key, traj.context, turn.output_tokens - traj.carried, 0.0), seconds)
+        left = turn.output_tokens - traj.carried
+        inst.enqueue(Sequence(traj.key, traj.context, left, new_tokens, not_before=self.now + move_s))
         self._reschedule(inst)
 
     def _migration_tokens(self, traj: LiveTrajectory, inst: Instance) -> float:

@@ -1,51 +1,86 @@
-"""A simulated rollout instance: continuous batching over the planner's rollout cost model.
+"""A simulated rollout instance: continuous batching with chunked prefill, priced by the planner's
+rollout cost model.
 
-There are no per-token events. An instance holds the sequences decoding on it; while its batch
-does not change, every sequence gains one token per decode step, and a step takes
+Every engine step is one forward pass over a token budget (vLLM's `max_num_batched_tokens`),
+spent as vLLM v1's scheduler spends it: first one token for each sequence that is decoding, then
+the rest on prefill chunks of the sequences still prefilling, first come first served. A long
+prefill therefore no longer stalls the batch: the decodes keep advancing one token a step while
+the prefill takes the budget they leave over, and the step gets slower by what its chunk costs.
+A step with B decoding sequences holding K KV tokens and prefill chunks (o_i, n_i) -- n_i tokens
+of a sequence that already holds o_i tokens of KV -- takes
 
-    step_s(B, K) = a + b * B + c * K        (B sequences, K KV tokens in the batch)
+    step_s = a + b * B + c * K  +  sum_i [F(o_i + n_i) - F(o_i)]
 
--- the planner's `RolloutCostModel.decode_step` is exactly linear in B and K, so a, b, c are read
-off it once per TP size (`DecodeCoefficients`). The engine asks for the time of the next turn
-completion (fewest tokens left x step time), jumps there, and advances every sequence by the
-elapsed steps. Context growth inside an interval is ignored (the step time is that of the
-interval's start), which is exact up to the few percent a growing KV read adds between events.
+where a + b B + c K is the planner's decode step (`RolloutCostModel.decode_step` is affine in B
+and K; `StepCoefficients` reads a, b, c off it once per TP size) and F(p) its prefill time of p
+tokens (`RolloutCostModel.prefill_seconds`: linear FLOPs, causal attention quadratic in p, and
+the all-reduces of the activations). The difference F(o + n) - F(o) is what prefilling tokens o..o+n
+adds to a forward pass (the pass's all-reduce latency floor is paid once, in a): chunks of one
+prefill add up exactly to the unchunked prefill's compute, and a tool result prefilled after a
+cached prefix pays attention over that prefix.
 
-Prefills (a turn's new tokens, or the whole context after a migration) stall the instance's
-decoding for their duration, as an unchunked vLLM prefill does. A sequence waits in the
-instance's queue while its context does not fit the free KV capacity or the batch is full.
+There are no per-token events. While the step's composition holds, steps are uniform and are
+taken in closed form: a prefilling sequence that alone fills the leftover budget for k steps
+costs k (a + b B) + c (k K + B k (k - 1) / 2) + F(o + k P) - F(o) (P = budget - B; the decodes'
+KV grows by B a step), up to when its prefill is done or the first decode finishes its turn.
+A step that mixes the end of one prefill with the start of the next is taken on its own.
+Decoding alone is taken as a fluid (tokens = elapsed / step_s at the interval's start; context
+growth inside an interval is ignored, a few percent at most between events). An event that
+lands inside a step takes the elapsed fraction of that step's tokens (fluid), so a run is a pure
+function of its events.
+
+A sequence waits in the instance's queue while its context does not fit the free KV capacity or
+the batch (decoding and prefilling sequences, vLLM's `max_num_seqs`) is full; one whose KV is
+being moved in from another instance (`not_before`) joins the queue when the transfer is done.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.rollout_cost import RolloutCostModel
+
+DONE_EPS = 1e-6
+"""Tokens below which a turn's decode or a prefill counts as finished (float rounding)."""
 
 
 @dataclass(frozen=True)
-class DecodeCoefficients:
-    """step_s = base_s + per_sequence_s * B + per_kv_token_s * K for a TP-tp instance."""
+class StepCoefficients:
+    """The cost of one engine step of a TP-tp instance:
+    base_s + per_sequence_s * B + per_kv_token_s * K for its B decodes holding K KV tokens, plus
+    prefill_s(o + n) - prefill_s(o) for each prefill chunk, where
+    prefill_s(p) = prefill_linear_s * p + prefill_quadratic_s * p^2 (+ a constant that cancels)."""
 
     tp: int
     base_s: float
     per_sequence_s: float
     per_kv_token_s: float
+    prefill_linear_s: float
+    prefill_quadratic_s: float
     token_capacity: int
 
     @staticmethod
-    def of(cost: RolloutCostModel, tp: int) -> DecodeCoefficients:
+    def of(cost: RolloutCostModel, tp: int) -> StepCoefficients:
         base, per_sequence, per_kv_token = cost.decode_coefficients(tp)
-        return DecodeCoefficients(tp, base, per_sequence, per_kv_token, cost.token_capacity(tp))
+        # The model's prefill time is a quadratic in the tokens (plus the latency floor):
+        # three evaluations recover it exactly.
+        f0, f1, f2 = (float(cost.prefill_seconds(tp, float(p))) for p in (0.0, 1000.0, 2000.0))
+        quadratic = (f2 - 2 * f1 + f0) / (2 * 1000.0**2)
+        linear = (f1 - f0) / 1000.0 - quadratic * 1000.0
+        return StepCoefficients(
+            tp, base, per_sequence, per_kv_token, linear, quadratic, cost.token_capacity(tp)
+        )
 
     def step_s(self, batch: int, kv_tokens: float) -> float:
+        """A step of decodes only."""
         return self.base_s + self.per_sequence_s * batch + self.per_kv_token_s * kv_tokens
 
-
-def prefill_s(cost: RolloutCostModel, factors: EfficiencyFactors, tp: int, tokens: float) -> float:
-    return cost.prefill(tp, tokens).seconds(factors) if tokens > 0 else 0.0
+    def chunk_s(self, offset: float, tokens: float) -> float:
+        """What prefilling `tokens` more tokens of a sequence holding `offset` adds to a step."""
+        end = offset + tokens
+        return self.prefill_linear_s * tokens + self.prefill_quadratic_s * (end * end - offset * offset)
 
 
 @dataclass(eq=False)
@@ -55,10 +90,18 @@ class Sequence:
     key: int
     """The engine's trajectory index."""
     context: float
-    """KV tokens held (prompt, earlier turns, tool results, tokens generated so far)."""
+    """KV tokens it holds once prefilled (prompt, earlier turns, tool results, tokens generated)."""
     left: float
     """Tokens still to generate in this turn."""
-    prefill_tokens: float
+    prefill_left: float = 0.0
+    """Tokens of its context still to prefill (the last ones of `context`)."""
+    not_before: float = 0.0
+    """Its KV is being moved in until then; it joins the queue at this time."""
+
+    @property
+    def prefill_offset(self) -> float:
+        """KV tokens it already holds on this instance (the next chunk attends to them)."""
+        return self.context - self.prefill_left
 
 
 @dataclass(eq=False)
@@ -68,87 +111,254 @@ class Instance:
     tp: int
     bucket: int
     devices: tuple[int, ...]
-    coefficients: DecodeCoefficients
+    coefficients: StepCoefficients
     max_batch: int
+    """Sequences decoding or prefilling at once (vLLM's max_num_seqs)."""
+    token_budget: int
+    """Tokens one step processes (vLLM's max_num_batched_tokens); must be >= max_batch, as vLLM
+    requires, so that a step always has room for a prefill chunk."""
     ready_at: float = 0.0
-    """When it finished loading weights and can decode."""
+    """When it finished loading weights and can run steps."""
     active: list[Sequence] = field(default_factory=list)
+    """Sequences decoding (their prefill is done), in the order they started decoding."""
+    prefilling: list[Sequence] = field(default_factory=list)
+    """Admitted sequences whose prefill is not done, first come first served."""
     waiting: deque[Sequence] = field(default_factory=deque)
+    """Not admitted yet: the batch is full or their KV does not fit."""
+    arriving: list[Sequence] = field(default_factory=list)
+    """KV moving in from another instance; joins `waiting` at `not_before`."""
     clock: float = 0.0
-    """Time up to which the batch has been advanced."""
-    prefill_debt_s: float = 0.0
-    """Prefill still to run before decoding resumes."""
+    """Time up to which the steps have been run."""
     busy_s: float = 0.0
-    """Seconds spent prefilling or decoding (device-seconds: multiply by tp)."""
+    """Seconds spent running steps (device-seconds: multiply by tp)."""
     decoded_tokens: float = 0.0
+    prefilled_tokens: float = 0.0
+    num_steps: float = 0.0
+    """Engine steps run (fractional where an event cut a step)."""
     epoch: int = 0
     """Bumped whenever the next completion changes; stale completion events are ignored."""
     kv_tokens: float = 0.0
+    """KV tokens held or reserved by the decoding and prefilling sequences."""
+    decode_kv: float = 0.0
+    """KV tokens of the decoding sequences (what a decode step reads)."""
     retired: bool = False
 
+    def __post_init__(self) -> None:
+        if self.token_budget < self.max_batch:
+            raise ValueError(
+                f"instance {self.name}: token_budget ({self.token_budget}) must be >= max_batch "
+                f"({self.max_batch}), or a full batch leaves no room to prefill"
+            )
+
+    # Running steps.
+
     def advance(self, now: float) -> None:
-        """Runs prefills, then decode steps, from `clock` to `now`."""
-        dt = now - max(self.clock, self.ready_at)
+        """Runs steps from `clock` to `now`."""
+        t = max(self.clock, self.ready_at)
         self.clock = max(self.clock, now)
-        if dt <= 0:
-            return
-        if self.prefill_debt_s > 0:
-            used = min(dt, self.prefill_debt_s)
-            self.prefill_debt_s -= used
-            self.busy_s += used
-            dt -= used
-        if dt <= 0 or not self.active:
-            return
-        tokens = dt / self.coefficients.step_s(len(self.active), self.kv_tokens)
-        for seq in self.active:
-            seq.left -= tokens
-            seq.context += tokens
-        self.kv_tokens += tokens * len(self.active)
-        self.decoded_tokens += tokens * len(self.active)
-        self.busy_s += dt
+        while t < now:
+            self._arrive(t)
+            until = min(now, self._next_arrival())
+            if self.prefilling:
+                t = self._prefill_steps(t, until, apply=True)
+            elif self.active:
+                t = self._decode(t, until)
+            else:
+                t = until
+        self._arrive(now)
 
     def next_completion(self) -> float | None:
-        """When the first active sequence will finish its turn (None: nothing is decoding)."""
-        if not self.active:
-            return None
-        start = max(self.clock, self.ready_at) + self.prefill_debt_s
-        fewest = min(seq.left for seq in self.active)
-        return start + max(fewest, 0.0) * self.coefficients.step_s(len(self.active), self.kv_tokens)
+        """The next time the engine must look at this instance: a decode finishing its turn, or
+        a change of the steps' composition (a prefill done, a KV transfer arrived). None: idle."""
+        t = max(self.clock, self.ready_at)
+        candidates = [self._next_arrival()]
+        if self.prefilling:
+            candidates.append(self._prefill_steps(t, math.inf, apply=False))
+        elif self.active:
+            fewest = max(0.0, min(s.left for s in self.active))
+            candidates.append(t + fewest * self.coefficients.step_s(len(self.active), self.decode_kv))
+        at = min(candidates)
+        return None if math.isinf(at) else at
 
-    def enqueue(self, seq: Sequence, prefill_cost_s: float) -> None:
-        seq.prefill_tokens = prefill_cost_s  # reused as the cost in seconds until admitted
+    def _decode(self, t: float, until: float) -> float:
+        """Decode-only steps, as a fluid, from t to until."""
+        dt = until - t
+        tokens = dt / self.coefficients.step_s(len(self.active), self.decode_kv)
+        self._decode_tokens(tokens)
+        self.num_steps += tokens
+        self.busy_s += dt
+        return until
+
+    def _decode_tokens(self, tokens: float) -> None:
+        """Every decoding sequence gains `tokens` (none beyond the end of its turn)."""
+        active = self.active
+        if tokens < min(s.left for s in active):
+            for seq in active:
+                seq.left -= tokens
+                seq.context += tokens
+            gained = tokens * len(active)
+        else:
+            gained = 0.0
+            for seq in active:
+                g = min(tokens, max(seq.left, 0.0))
+                seq.left -= g
+                seq.context += g
+                gained += g
+        self.kv_tokens += gained
+        self.decode_kv += gained
+        self.decoded_tokens += gained
+
+    def _prefill_steps(self, t: float, until: float, apply: bool) -> float:
+        """Runs (apply) or prices (not apply) the steps from t while the composition holds: the
+        head prefill taking the whole leftover budget for k steps, or one mixed step. Stops at
+        `until` (a fraction of the step in progress is run) and returns where it stopped."""
+        c = self.coefficients
+        decoding = self.active
+        num_decoding = len(decoding)
+        kv = self.decode_kv
+        budget = self.token_budget - num_decoding
+        head = self.prefilling[0]
+        if head.prefill_left >= budget:
+            # Uniform steps: the head alone gets `budget` prefill tokens a step.
+            limit = math.floor(head.prefill_left / budget + 1e-9)
+            if decoding:
+                limit = min(limit, max(1, math.ceil(min(s.left for s in decoding) - DONE_EPS)))
+            offset = head.prefill_offset
+
+            def elapsed(k: float) -> float:
+                return (
+                    k * (c.base_s + c.per_sequence_s * num_decoding)
+                    + c.per_kv_token_s * (k * kv + num_decoding * k * (k - 1) / 2)
+                    + c.chunk_s(offset, k * budget)
+                )
+
+            if t + elapsed(limit) <= until:
+                steps = float(limit)
+            else:
+                whole = _largest_fitting(elapsed, limit, until - t)
+                last = elapsed(whole + 1) - elapsed(whole)
+                steps = whole + (until - t - elapsed(whole)) / last
+            end = t + elapsed(steps) if steps == limit else until
+            if apply:
+                self._take_steps([(head, steps * budget)], steps, end - t)
+            return end
+        # One mixed step: the end of the head's prefill, then the next ones first come first served.
+        chunks, room = [], float(budget)
+        for seq in self.prefilling:
+            if room <= DONE_EPS:
+                break
+            n = min(room, seq.prefill_left)
+            chunks.append((seq, n))
+            room -= n
+        cost = c.step_s(num_decoding, kv) + sum(c.chunk_s(s.prefill_offset, n) for s, n in chunks)
+        fraction = min(1.0, (until - t) / cost)
+        end = t + cost if fraction >= 1.0 else until
+        if apply:
+            self._take_steps([(s, n * fraction) for s, n in chunks], fraction, end - t)
+        return end
+
+    def _take_steps(self, chunks: list[tuple[Sequence, float]], steps: float, seconds: float) -> None:
+        if self.active:
+            self._decode_tokens(steps)
+        for seq, tokens in chunks:
+            tokens = min(tokens, seq.prefill_left)
+            seq.prefill_left -= tokens
+            self.prefilled_tokens += tokens
+            if seq.prefill_left <= DONE_EPS:
+                self.prefilled_tokens += seq.prefill_left
+                seq.prefill_left = 0.0
+                self.prefilling.remove(seq)
+                self.active.append(seq)
+                self.decode_kv += seq.context
+        self.num_steps += steps
+        self.busy_s += seconds
+
+    # Arrivals and admission.
+
+    def _next_arrival(self) -> float:
+        return min((s.not_before for s in self.arriving), default=math.inf)
+
+    def _arrive(self, t: float) -> None:
+        if not any(s.not_before <= t for s in self.arriving):
+            return
+        arrived = [s for s in self.arriving if s.not_before <= t]
+        self.arriving = [s for s in self.arriving if s.not_before > t]
+        self.waiting.extend(arrived)
+        self.admit_waiting()
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Queues a turn: its context's last `prefill_left` tokens are prefilled, in chunks,
+        before it decodes (call `advance(now)` first)."""
+        if seq.not_before > max(self.clock, self.ready_at):
+            self.arriving.append(seq)
+            return
         self.waiting.append(seq)
         self.admit_waiting()
 
     def admit_waiting(self) -> None:
         """Moves queued sequences into the batch while KV capacity and batch size allow (FIFO;
-        an empty instance takes the head even if it overflows, or nothing would ever run it)."""
+        an empty instance takes the head even if it overflows, or nothing would ever run it).
+        A sequence with nothing to prefill decodes at once."""
         cap = self.coefficients.token_capacity
-        while self.waiting and len(self.active) < self.max_batch:
+        while self.waiting and len(self.active) + len(self.prefilling) < self.max_batch:
             head = self.waiting[0]
-            if self.active and self.kv_tokens + head.context > cap:
+            if (self.active or self.prefilling) and self.kv_tokens + head.context > cap:
                 break
             self.waiting.popleft()
-            self.prefill_debt_s += head.prefill_tokens
-            self.active.append(head)
+            if head.prefill_left > DONE_EPS:
+                self.prefilling.append(head)
+            else:
+                self.active.append(head)
+                self.decode_kv += head.context
             self.kv_tokens += head.context
+
+    # Leaving.
 
     def pop_finished(self) -> list[Sequence]:
         """Sequences whose turn is done (their KV is freed: the engine ends a request at a tool call)."""
-        done = [s for s in self.active if s.left <= 1e-6]
+        done = [s for s in self.active if s.left <= DONE_EPS]
         if done:
-            self.active = [s for s in self.active if s.left > 1e-6]
-            self.kv_tokens = sum(s.context for s in self.active)
+            self.active = [s for s in self.active if s.left > DONE_EPS]
+            self._recount_kv()
         return done
+
+    def remove(self, key: int) -> Sequence | None:
+        """Takes one trajectory's turn off the instance, wherever it is (call `advance(now)` first)."""
+        for queue in (self.active, self.prefilling, self.arriving):
+            for seq in queue:
+                if seq.key == key:
+                    queue.remove(seq)
+                    self._recount_kv()
+                    return seq
+        for seq in self.waiting:
+            if seq.key == key:
+                self.waiting.remove(seq)
+                return seq
+        return None
 
     def take_all(self) -> list[Sequence]:
         """Removes every sequence (the instance is stopped: in-flight turns are cut)."""
-        seqs = list(self.active) + list(self.waiting)
-        self.active, self.waiting = [], deque()
-        self.kv_tokens = 0.0
-        self.prefill_debt_s = 0.0
+        seqs = [*self.active, *self.prefilling, *self.waiting, *self.arriving]
+        self.active, self.prefilling, self.waiting, self.arriving = [], [], deque(), []
+        self.kv_tokens = self.decode_kv = 0.0
         return seqs
+
+    def _recount_kv(self) -> None:
+        self.decode_kv = sum(s.context for s in self.active)
+        self.kv_tokens = self.decode_kv + sum(s.context for s in self.prefilling)
 
     @property
     def load(self) -> int:
-        return len(self.active) + len(self.waiting)
+        return len(self.active) + len(self.prefilling) + len(self.waiting) + len(self.arriving)
+
+
+def _largest_fitting(elapsed, limit: int, seconds: float) -> int:
+    """The most whole steps k < limit with elapsed(k) <= seconds (elapsed grows with k)."""
+    lo, hi = 0, limit  # elapsed(lo) <= seconds < elapsed(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if elapsed(mid) <= seconds:
+            lo = mid
+        else:
+            hi = mid
+    return lo

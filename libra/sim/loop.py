@@ -108,6 +108,7 @@ class PolicyRun:
             config.planner.max_decode_batch,
             config.costs.migration,
             config.costs.kv_move_bandwidth_bytes_per_s,
+            config.token_budget,
         )
         self.cluster.on_finish = self._on_finish
         self.instance_of_name: dict[str, int] = {}
@@ -434,6 +435,8 @@ class AsyncRun(PolicyRun):
     def _on_planner_event(self, event) -> None:
         if event.kind == "rejected":
             self.plans_rejected += 1
+        if event.kind in ("rejected", "proposed"):  # the trigger's reason and the planner's rule
+            self.notes.append(f"step {self.step}: re-plan {event.kind} by the planner: {event.message}")
 
     def _observe(self, train_s: float, rollout_s: float) -> None:
         planner = self.planner
@@ -476,6 +479,14 @@ class AsyncRun(PolicyRun):
         except ValueError:  # the running plan no longer fits the workload (e.g. memory, drift)
             current_s = math.inf
         decision = decide_apply(current_s, candidate.predicted_step_s, cost, planner.policy)
+        same = (
+            "the running layout" if _layout(candidate) == _layout(self.current_plan) else _layout(candidate)
+        )
+        self.notes.append(
+            f"step {self.step}: candidate {same}: model step {current_s:.1f} s running vs "
+            f"{candidate.predicted_step_s:.1f} s candidate, cost {cost:.0f} s -> "
+            f"{'apply' if decision.apply else 'veto'} ({decision.reason})"
+        )
         if not decision.apply:
             planner.veto_candidate(decision.reason)
             self.plans_rejected += 1
@@ -548,6 +559,11 @@ class AsyncRun(PolicyRun):
             return
         self.ledger.set_role([device], "loading", now)
         self.cluster.schedule(at, self.ledger.set_role, [device], role, at)
+
+
+def _layout(plan) -> str:
+    mix = " + ".join(f"{b.num_instances}xTP{b.tp}" for b in plan.buckets if b.num_instances)
+    return f"train {plan.training.config.num_devices} devices, rollout {mix}"
 
 
 def simulate(

@@ -3,6 +3,7 @@
 import pytest
 
 from libra.planner.config import PlannerConfig
+from libra.planner.cost_model import ring_allreduce_s
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS
 from libra.scheduler.baselines import LeastLoadRouter
@@ -10,16 +11,18 @@ from libra.scheduler.cmlfq import CmlfqRouter
 from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.scheduler.tool_state import ToolReturnState
 from libra.sim.engine import RolloutCluster
-from libra.sim.instance import DecodeCoefficients
+from libra.sim.instance import Instance, Sequence, StepCoefficients
 from libra.trajectory import ToolStatus
 from tests.sim.helpers import tiny_config, trace
 
 
-def make_cluster(num_instances=1, tp=1):
+def make_cluster(num_instances=1, tp=1, max_batch=256, token_budget=2048):
     config = tiny_config()
     cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS)
     cmlfq = CmlfqConfig()
-    cluster = RolloutCluster(LeastLoadRouter(cmlfq), cmlfq, cost, max_batch=256)
+    cluster = RolloutCluster(
+        LeastLoadRouter(cmlfq), cmlfq, cost, max_batch=max_batch, token_budget=token_budget
+    )
     for i in range(num_instances):
         cluster.add_instance(f"i{i}", tp, 0, tuple(range(i * tp, (i + 1) * tp)), ready_at=0.0)
     return cluster, cost
@@ -29,16 +32,70 @@ def step(cost, batch, kv_tokens, tp=1):
     return cost.decode_step(tp, batch, kv_tokens / batch).seconds(cost.factors)
 
 
-def prefill(cost, tokens, tp=1):
-    return cost.prefill(tp, tokens).seconds(cost.factors)
+def chunk(cost, offset, tokens, tp=1):
+    """Plain-Python reference: what prefilling `tokens` after `offset` held tokens adds to a
+    forward pass -- the FLOPs of the new tokens (2 x params each, causal attention over
+    everything before them) and two all-reduces per layer of their activations."""
+    m, profile, f = cost.model, cost.cluster.profile, cost.factors
+    end = offset + tokens
+    flops = 2.0 * m.num_params * tokens + 2.0 * m.num_layers * m.query_dim * (end**2 - offset**2)
+    per_token = ring_allreduce_s(
+        m.hidden_size * m.bytes_per_param, tp, profile.intra_node_bandwidth_bytes_per_s
+    )
+    return (
+        flops / (tp * profile.peak_bf16_flops) / f.compute
+        + 2 * m.num_layers * per_token * tokens / f.communication
+    )
+
+
+def ref_step(cost, decode_contexts, chunks, tp=1):
+    """Plain-Python reference of one engine step: the decode step of the decoding sequences
+    (one weight read and latency floor per pass, even with no decodes) plus each prefill chunk."""
+    batch, kv = len(decode_contexts), float(sum(decode_contexts))
+    decode = cost.decode_step(tp, batch, kv / batch if batch else 0.0).seconds(cost.factors)
+    return decode + sum(chunk(cost, o, n, tp) for o, n in chunks)
+
+
+def prefill(cost, tokens, tp=1, offset=0):
+    """A step that only prefills `tokens` (they fit one step's budget)."""
+    return ref_step(cost, [], [(offset, tokens)], tp)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_decode_coefficients_match_cost_model(tp):
+def test_step_coefficients_match_the_reference(tp):
     _, cost = make_cluster()
-    coeff = DecodeCoefficients.of(cost, tp)
+    coeff = StepCoefficients.of(cost, tp)
     for batch, kv in [(1, 100.0), (7, 20_000.0), (64, 900_000.0)]:
         assert coeff.step_s(batch, kv) == pytest.approx(step(cost, batch, kv, tp), rel=1e-9)
+    for offset, tokens in [(0, 10), (0, 2048), (30_000, 500), (1_000, 1)]:
+        assert coeff.chunk_s(offset, tokens) == pytest.approx(chunk(cost, offset, tokens, tp), rel=1e-9)
+    # Chunks of one prefill add up to the unchunked prefill's compute (its latency floor aside).
+    whole = cost.prefill(tp, 6000.0).seconds(cost.factors) - cost.prefill(tp, 0.0).seconds(cost.factors)
+    parts = sum(coeff.chunk_s(o, 2000) for o in (0, 2000, 4000))
+    assert parts == pytest.approx(whole, rel=1e-9)
+
+
+def test_one_mixed_step_costs_its_decodes_plus_its_chunks():
+    """Three decoding sequences and two queued prefills under a 64-token budget: the step
+    decodes three tokens and prefills 61 -- the end of the first prompt, then the start of the
+    second, first come first served -- and takes the reference's time."""
+    _, cost = make_cluster()
+    coeff = StepCoefficients.of(cost, 1)
+    inst = Instance(0, "i0", 1, 0, (0,), coeff, max_batch=8, token_budget=64)
+    decoders = [Sequence(k, context, 100.0) for k, context in enumerate([300.0, 50.0, 1200.0])]
+    for seq in decoders:
+        inst.enqueue(seq)
+    first = Sequence(10, 40.0, 5.0, prefill_left=40.0)
+    second = Sequence(11, 500.0, 5.0, prefill_left=200.0)  # 300 tokens of its KV already held
+    inst.enqueue(first)
+    inst.enqueue(second)
+    expected = ref_step(cost, [300, 50, 1200], [(0, 40), (300, 21)])
+    assert inst.next_completion() == pytest.approx(expected, rel=1e-12)
+    inst.advance(expected)
+    assert [s.left for s in decoders] == pytest.approx([99.0] * 3)
+    assert first in inst.active and first.prefill_left == 0.0
+    assert second.prefill_left == pytest.approx(179.0) and inst.prefilled_tokens == pytest.approx(61.0)
+    assert inst.num_steps == pytest.approx(1.0) and inst.busy_s == pytest.approx(expected)
 
 
 def test_single_turn_time():
@@ -58,7 +115,8 @@ def test_two_sequences_share_the_batch_then_one_runs_alone():
     cluster.start(trace("long", [100], prompt=10))
     cluster.start(trace("short", [50], prompt=30))
     cluster.run_until(lambda: False)
-    t_short = prefill(cost, 10) + prefill(cost, 30) + 50 * step(cost, 2, 40)
+    # Both prompts are prefilled in the first step (they fit its budget), then both decode.
+    t_short = ref_step(cost, [], [(0, 10), (0, 30)]) + 50 * step(cost, 2, 40)
     t_long = t_short + 50 * step(cost, 1, 10 + 50)
     assert done["short"] == pytest.approx(t_short, rel=1e-9)
     assert done["long"] == pytest.approx(t_long, rel=1e-9)
@@ -71,8 +129,9 @@ def test_tool_call_and_cached_prefix():
     cluster.start(trace("a", [40, 60], prompt=10, tool_latency=2.0, payload=20))
     cluster.run_until(lambda: False)
     first = prefill(cost, 10) + 40 * step(cost, 1, 10)
-    # Same instance: only the tool result is prefilled; the context is prompt + turn 1 + result.
-    second = 2.0 + prefill(cost, 20) + 60 * step(cost, 1, 10 + 40 + 20)
+    # Same instance: only the tool result is prefilled (attending to the cached 50 tokens); the
+    # context is prompt + turn 1 + result.
+    second = 2.0 + prefill(cost, 20, offset=10 + 40) + 60 * step(cost, 1, 10 + 40 + 20)
     assert done[0].finished_at == pytest.approx(first + second, rel=1e-9)
     assert cluster.num_migrations == 0 and cluster.num_turns == 2
 
@@ -101,6 +160,93 @@ def test_events_in_time_order_and_every_trajectory_finishes_once():
     # Device time adds up: every decoded token is accounted for.
     decoded = sum(i.decoded_tokens for i in cluster.all_instances())
     assert decoded == pytest.approx(sum(10 + 7 * i + 5 + i + 30 for i in range(30)), rel=1e-6)
+    # And every prompt and tool result is prefilled exactly once (no trajectory moved).
+    assert cluster.num_migrations == 0
+    prefilled = sum(i.prefilled_tokens for i in cluster.all_instances())
+    assert prefilled == pytest.approx(sum(20 + i + 2 * 20 for i in range(30)), rel=1e-9)
+
+
+def reference_instance(cost, budget, arrivals, tp=1):
+    """Plain-Python, step-by-step reference of one instance with chunked prefill: `arrivals` are
+    (time, key, prompt tokens, output tokens); each step decodes one token of every decoding
+    sequence, then prefills the rest of the budget first come first served, and costs
+    `ref_step`. Returns each key's finish time and, per step, the decoding keys."""
+    pending = sorted(arrivals)
+    prefilling, decoding, done, steps = [], {}, {}, []
+    t = 0.0
+    while pending or prefilling or decoding:
+        while pending and pending[0][0] <= t + 1e-12:
+            _, key, prompt, output = pending.pop(0)
+            prefilling.append([key, 0, prompt, output])
+        if not prefilling and not decoding:
+            t = pending[0][0]
+            continue
+        room = budget - len(decoding)
+        chunks, finished_prefill = [], []
+        for p in prefilling:
+            n = min(room, p[2] - p[1])
+            if n <= 0:
+                break
+            chunks.append((p[1], n))
+            p[1] += n
+            room -= n
+            if p[1] == p[2]:
+                finished_prefill.append(p)
+        t += ref_step(cost, [c for c, _ in decoding.values()], chunks, tp)
+        steps.append(sorted(decoding))
+        for key in list(decoding):
+            context, left = decoding[key]
+            decoding[key] = (context + 1, left - 1)
+            if left == 1:
+                done[key] = t
+                del decoding[key]
+        for p in finished_prefill:
+            prefilling.remove(p)
+            decoding[p[0]] = (p[2], p[3])
+    return done, steps
+
+
+def test_a_long_prefill_does_not_block_running_decodes():
+    """A 5,000-token prompt arrives while a sequence decodes, under a 64-token budget: the
+    decode keeps advancing a token every step (the prompt takes 79 full chunks of 63 and a last
+    of 23), and both finish when the step-by-step reference says -- an unchunked prefill would
+    have held the decode for the whole prompt."""
+    cluster, cost = make_cluster(max_batch=8, token_budget=64)
+    done = {}
+    cluster.on_finish = lambda t: done.__setitem__(t.trajectory_id, t.finished_at)
+    cluster.start(trace("decoding", [400], prompt=10))
+    arrive = prefill(cost, 10) + 100 * step(cost, 1, 10)  # after about 100 decode steps
+    cluster.schedule(arrive, cluster.start, trace("long", [50], prompt=5000))
+    inst = cluster.instances[0]
+    seen = []
+    probe = arrive
+
+    def look():
+        inst.advance(cluster.now)
+        seen.append((inst.prefilling[0].prefill_left, inst.decoded_tokens))
+
+    for _ in range(30):  # look at the decode's progress every ~2 steps of the prompt's prefill
+        probe += 2 * ref_step(cost, [110], [(2500, 63)])
+        cluster.schedule(probe, look)
+    cluster.run_until(lambda: False)
+    expected, steps = reference_instance(cost, 64, [(0.0, "decoding", 10, 400), (arrive, "long", 5000, 50)])
+    # The engine runs decode-only stretches as a fluid at the stretch's first context, the
+    # reference a step at a time; they agree to within one step.
+    one_step = ref_step(cost, [110], [(2500, 63)])
+    assert abs(done["decoding"] - expected["decoding"]) < one_step
+    assert abs(done["long"] - expected["long"]) < one_step
+    # In the reference too the decode never waits: one step per token, the long prompt's 80
+    # chunks (ceil(5000 / 63)) riding along, then both decode.
+    assert len([s for s in steps if s == ["decoding", "long"]]) == 50
+    assert len(steps) == 1 + 400  # the first prompt's step, then one per token of the long decode
+    # While the prompt prefilled, the decode gained about two tokens between every two looks.
+    lefts = [left for left, _ in seen]
+    decoded = [d for _, d in seen]
+    assert lefts == sorted(lefts, reverse=True) and lefts[-1] > 0
+    assert all(1.8 < b - a < 2.2 for a, b in zip(decoded[:-1], decoded[1:], strict=True))
+    tokens = sum(i.decoded_tokens for i in cluster.all_instances())
+    assert tokens == pytest.approx(450, rel=1e-9)
+    assert sum(i.prefilled_tokens for i in cluster.all_instances()) == pytest.approx(5010, rel=1e-9)
 
 
 def test_removing_an_instance_cuts_and_resumes_turns():
@@ -139,7 +285,7 @@ def test_bucket_update_moves_a_running_turn_and_keeps_its_tokens():
     cluster.on_finish = done.append
     traj = cluster.start(trace("a", [100, 500], prompt=10, tool_latency=0.5))
     second_turn_starts = prefill(cost, 10) + 100 * step(cost, 1, 10) + 0.5
-    middle = second_turn_starts + 250 * step(cost, 1, 300)
+    middle = second_turn_starts + prefill(cost, 20, offset=110) + 250 * step(cost, 1, 130)
     cluster.schedule(middle, lambda: None)  # an event to stop at, halfway through the turn
     cluster.run_until(lambda: cluster.now >= middle)
     assert traj.turn == 1 and traj.instance == 0  # 500 left <= 1,000: the small bucket
@@ -191,9 +337,9 @@ def test_kv_move_pays_the_transfer_instead_of_the_re_prefill(second_devices, lin
     )
     move_s = kv_bytes / (1 * bandwidth)  # min(TP-1, TP-2) = one link
     assert moved.migration_s == pytest.approx(move_s) and reprefill.migration_s == 0.0
-    # Re-prefill: the whole context plus the tool return on i1; KV move: the transfer plus only
-    # the tool return.
-    expected_gap = prefill(cost, context + 20, tp=2) - (move_s + prefill(cost, 20, tp=2))
+    # Re-prefill: the whole context plus the tool return on i1; KV move: the transfer, then only
+    # the tool return (attending to the moved KV).
+    expected_gap = prefill(cost, context + 20, tp=2) - (move_s + prefill(cost, 20, tp=2, offset=context))
     assert t_reprefill - t_moved == pytest.approx(expected_gap, rel=1e-6)
     configured, _, _ = _migrating_cluster("kv_move", second_devices, bandwidth=1e9)
     assert configured.migration_s == pytest.approx(kv_bytes / 1e9)

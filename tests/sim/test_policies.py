@@ -8,6 +8,7 @@ import pytest
 from libra.planner.config import PlannerConfig
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS
+from libra.planner.triggers import TriggerReason
 from libra.scheduler.baselines import LengthMlfqRouter
 from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.sim.config import POLICIES
@@ -107,3 +108,16 @@ def test_config_validation_names_the_field():
         tiny_config(workload=dataclasses.replace(tiny_config().workload, group_size=8))
     with pytest.raises(ValueError, match="sim.profile"):
         tiny_config(profile="tpu")
+
+
+def test_every_re_plan_is_logged_with_its_verdict(comparison):
+    """Each re-plan leaves a note: the trigger's reason and the planner's verdict, and for a
+    candidate the planner passed on, the loop's model-vs-model apply-rule numbers."""
+    for name in ("libra", "libra_no_elastic", "libra_no_cmlfq"):
+        r = comparison.results[name]
+        rejected = [n for n in r.notes if "re-plan rejected by the planner" in n]
+        judged = [n for n in r.notes if ": candidate " in n]
+        assert len(rejected) + len(judged) == r.plans_rejected + r.plans_applied, name
+        assert rejected or judged, name  # the tiny run re-plans (plan_interval=2)
+        assert all(n.split(": ")[2] in {t.value for t in TriggerReason} for n in rejected), name
+        assert all(" -> apply (" in n or " -> veto (" in n for n in judged), name
