@@ -7,7 +7,8 @@ Training grows or shrinks by whole DP replicas through the elastic hybrid pool w
 of the training layout restarts training from its latest checkpoint. Rollout instances are
 matched by (TP, devices): unchanged ones keep running; the others are stopped -- draining their
 in-flight trajectories, or cutting them (they resume elsewhere from their kept tokens) -- before
-new ones start on the freed devices, and those start before new hybrid replicas join.
+new ones start on the freed devices; instances whose devices go to training stop after the new
+ones have started, and new hybrid replicas join last.
 """
 
 from __future__ import annotations
@@ -111,11 +112,19 @@ def diff_plans(old: Plan | None, new: Plan, cut_inflight: bool = False) -> tuple
             or old.training.config != new.training.config
             or old.training.first_device != new.training.first_device
         )
-    for key, instance in old_instances.items():
-        if key not in new_instances:
-            actions.append(StopRolloutInstance(instance.instance_id, instance.devices, cut_inflight))
+    stops = [
+        StopRolloutInstance(instance.instance_id, instance.devices, cut_inflight)
+        for key, instance in old_instances.items()
+        if key not in new_instances
+    ]
+    starts = [
+        StartRolloutInstance(instance.instance_id, instance.tp, instance.devices)
+        for key, instance in new_instances.items()
+        if key not in old_instances
+    ]
     if restart:
         cfg = new.training.config
+        actions += stops
         actions.append(
             RestartTraining(
                 () if old is None else old.training.devices,
@@ -126,15 +135,19 @@ def diff_plans(old: Plan | None, new: Plan, cut_inflight: bool = False) -> tuple
                 cfg.micro_batch,
             )
         )
-    # New rollout instances start before hybrid replicas join: the stops may have left rollout
-    # without an instance, and while rollout is empty the whole loop waits (a missing replica
-    # only makes training slower).
-    for key, instance in new_instances.items():
-        if key not in old_instances:
-            actions.append(StartRolloutInstance(instance.instance_id, instance.tp, instance.devices))
-    if not restart and old is not None:
-        for r in range(old.training.config.dp, new.training.config.dp):
-            actions.append(JoinHybridReplica(r, new.training.replica_devices(r)))
+        actions += starts
+    else:
+        # Rollout keeps serving through the change as far as devices allow: only instances on
+        # devices a new instance needs stop before the starts; those whose devices go to
+        # training stop after them, and new hybrid replicas join last (while rollout is empty the
+        # whole loop waits; a missing replica only makes training slower).
+        needed = {d for start in starts for d in start.devices}
+        actions += [stop for stop in stops if needed.intersection(stop.devices)]
+        actions += starts
+        actions += [stop for stop in stops if not needed.intersection(stop.devices)]
+        if old is not None:
+            for r in range(old.training.config.dp, new.training.config.dp):
+                actions.append(JoinHybridReplica(r, new.training.replica_devices(r)))
     thresholds = tuple((b.tp, b.max_output_tokens) for b in new.buckets)
     if old is None or thresholds != tuple((b.tp, b.max_output_tokens) for b in old.buckets):
         actions.append(SetBucketThresholds(thresholds))

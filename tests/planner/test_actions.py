@@ -125,25 +125,30 @@ def test_replans_drain_cut_join_release_in_order(setup):
     assert sorted(running_devices(ctl).values()) == [(1,), (2,), (3,)]
 
     # Training grows by a hybrid replica on device 1; rollout becomes one TP-2 instance on 2-3.
+    # The instances on 2 and 3 stop first (the TP-2 needs their devices), the one on device 1
+    # keeps serving until the TP-2 instance has started, the replica joins last.
     # Draining: d1 and d2 drain in time, d3 keeps 2 trajectories past the deadline (they are cut).
     rollout.calls.clear()
     plan2, actions = diff_plans(plan1, make_plan(dp=2, rollout=[2]), cut_inflight=False)
-    assert [type(a) for a in actions[:5]] == [StopRolloutInstance] * 3 + [
-        StartRolloutInstance,
-        JoinHybridReplica,
+    assert [(type(a), a.devices) for a in actions[:5]] == [
+        (StopRolloutInstance, (2,)),
+        (StopRolloutInstance, (3,)),
+        (StartRolloutInstance, (2, 3)),
+        (StopRolloutInstance, (1,)),
+        (JoinHybridReplica, (1,)),
     ]
     report = executor.execute(actions, plan_version=2)
     assert report.ok, [r.describe() for r in report.results]
     assert [c for c in rollout.calls if c[0] in ("drain", "cut", "remove")] == [
-        ("drain", "rollout-tp1-d1", DRAIN_TIMEOUT_S),
-        ("remove", "rollout-tp1-d1"),
         ("drain", "rollout-tp1-d2", DRAIN_TIMEOUT_S),
         ("remove", "rollout-tp1-d2"),
         ("drain", "rollout-tp1-d3", DRAIN_TIMEOUT_S),
         ("cut", "rollout-tp1-d3"),
         ("remove", "rollout-tp1-d3"),
+        ("drain", "rollout-tp1-d1", DRAIN_TIMEOUT_S),
+        ("remove", "rollout-tp1-d1"),
     ]
-    assert "drain timed out: cut 2" in report.results[2].detail
+    assert "drain timed out: cut 2" in report.results[1].detail
     assert ("join", 1, 1) in training.calls
     assert sorted(running_devices(ctl).values()) == [(1,), (2, 3)]
     assert set(executor.running_hybrids()) == {1}
