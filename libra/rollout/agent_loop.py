@@ -127,14 +127,17 @@ class AgentLoop:
                     self.pool.mark_lost(instance_id, f"{failures} consecutive failed calls")
                 if await self.pool.confirm_lost(instance_id):
                     instance_id, failures = None, 0
-                continue
-            failures = 0
-            if segment.finish_reason == FinishReason.PREEMPTED:
-                continue  # a weight update interrupted it: resubmit; the paused engine holds it
-            if segment.finish_reason == FinishReason.ABORT:
-                raise _Ended(Outcome.ABORTED, f"instance {instance_id} aborted the request")
-            if segment.finish_reason == FinishReason.LENGTH:
-                self._end_for_length(trajectory, instance_id, max_tokens, len(segment.token_ids))
+            else:
+                failures = 0
+            # A call interrupted after the turn's stop token (a cut or a failure racing the last
+            # token) left a finished turn: resubmitting would generate past the stop.
+            if not self._turn_finished(trajectory, turn_start):
+                if segment is None or segment.finish_reason == FinishReason.PREEMPTED:
+                    continue  # resubmit (a weight update: the paused engine holds it)
+                if segment.finish_reason == FinishReason.ABORT:
+                    raise _Ended(Outcome.ABORTED, f"instance {instance_id} aborted the request")
+                if segment.finish_reason == FinishReason.LENGTH:
+                    self._end_for_length(trajectory, instance_id, max_tokens, len(segment.token_ids))
             trajectory.num_turns += 1
             turn = trajectory.response_token_ids[turn_start:]
             if turn[-1] != self.chat.tool_call_end_id:
@@ -148,6 +151,10 @@ class AgentLoop:
             instance_id = decision.instance_id
             self.num_migrations += decision.migrated
             turn_start = len(trajectory.response_token_ids)
+
+    def _turn_finished(self, trajectory: Trajectory, turn_start: int) -> bool:
+        turn = trajectory.response_token_ids[turn_start:]
+        return bool(turn) and turn[-1] in self.chat.stop_token_ids
 
     async def _generate(self, trajectory: Trajectory, instance_id: int) -> tuple[Segment | None, int]:
         """One generation call continuing `trajectory`; appends what it produced. Returns the

@@ -87,6 +87,30 @@ def test_a_dying_instance_hands_its_trajectory_to_another_with_its_tokens_kept(t
     check_continuity(trajectory, calls)
 
 
+def test_an_instance_dying_right_after_the_stop_token_leaves_a_finished_turn(tokenizer):
+    """The stop token arrived but the call's end did not: the turn is complete, and resubmitting
+    it elsewhere would generate past the stop."""
+    dying = FakeInstance([*DYING_TOKENS, tokenizer.eos_token_id], finish_with=None)
+    healthy = FakeInstance([303, 304], finish_with=tokenizer.eos_token_id)
+
+    async def scenario():
+        dying_server, dying_address = await _serve(dying)
+        healthy_server, healthy_address = await _serve(healthy)
+        pool = await make_pool(PlannedRouter([0]), [dying_address, healthy_address])
+        task = asyncio.create_task(make_loop(pool, tokenizer).run(new_trajectory(tokenizer, "hi", "t")))
+        await dying.streamed.wait()
+        await dying_server.stop(grace_s=0)
+        trajectory = await task
+        await healthy_server.stop(grace_s=0)
+        await pool.close()
+        return trajectory
+
+    trajectory = run(scenario())
+    assert trajectory.outcome == Outcome.ANSWERED, trajectory.outcome_reason
+    assert trajectory.response_token_ids == [*DYING_TOKENS, tokenizer.eos_token_id]
+    assert healthy.contexts == []
+
+
 def test_with_no_instance_left_the_trajectory_ends_no_instance(tokenizer):
     dying = FakeInstance(DYING_TOKENS, finish_with=None)
 
