@@ -99,9 +99,10 @@ def model_arch(model_dir: Path, dtype: str) -> ModelArch:
 
 
 def cluster_spec(devices_per_agent: int, num_agents: int, profile) -> ClusterSpec:
-    """Agents as planner nodes when they hold a power of two devices each; otherwise (the 3-slot
-    CPU default) every device is its own node, which keeps the planner's numbering (node-major,
-    device d = the d-th device of the agents laid end to end) and restricts rollout to TP-1."""
+    """Agents as planner nodes when they hold a power of two devices each (the 4-slot CPU default:
+    one node of 4); otherwise (e.g. 3 slots) every device is its own node, which keeps the
+    planner's numbering (node-major, device d = the d-th device of the agents laid end to end) and
+    restricts rollout to TP-1."""
     if devices_per_agent >= 1 and devices_per_agent & (devices_per_agent - 1) == 0:
         return ClusterSpec(num_agents, devices_per_agent, profile)
     return ClusterSpec(num_agents * devices_per_agent, 1, profile)
