@@ -69,6 +69,7 @@ from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
 from libra.rollout.plan_control import PoolRolloutControl
 from libra.sim.trace import TrajectoryTrace
+from libra.training.hybrid_worker import hybrid_worker_argv
 
 if TYPE_CHECKING:
     from libra.job.recorder import RunRecorder
@@ -181,32 +182,21 @@ class JobLauncher:
 
     def hybrid_replica(self, action: JoinHybridReplica, join: HybridJoin) -> LaunchSpec:
         """A hybrid DP replica (`libra.training.hybrid_worker`) following the core rank's lane."""
-        import sys
 
         from libra.job.workers import training_json
 
         workers = self.workers
         self._count += 1
         ready_file = workers.run_dir / f"hybrid-{action.replica}-g{join.generation}-{self._count}.ready"
-        argv = [
-            sys.executable,
-            "-m",
-            "libra.training.hybrid_worker",
-            "--hf-model",
+        argv = hybrid_worker_argv(
             str(workers.model_dir),
-            "--lane",
             join.lane_address,
-            "--replica",
-            str(action.replica),
-            "--generation",
-            str(join.generation),
-            "--training",
+            action.replica,
+            join.generation,
             training_json(workers.config.training),
-            "--backend",
-            workers.config.backend.name,
-            "--ready-file",
             str(ready_file),
-        ]
+            workers.config.backend.name,
+        )
         env = {"LIBRA_TOKEN": workers.cluster.token, "PYTHONWARNINGS": "ignore"}
         return LaunchSpec(tuple(argv), env, os.getcwd(), str(ready_file))
 

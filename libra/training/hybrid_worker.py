@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from pathlib import Path
 
 from libra.logs import configure_logging
@@ -32,6 +33,37 @@ def _write_atomically(path: str, text: str) -> None:
     tmp = Path(path + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def hybrid_worker_argv(
+    hf_model: str,
+    lane: str,
+    replica: int,
+    generation: int,
+    training: str,
+    ready_file: str,
+    backend: str = "cpu",
+) -> list[str]:
+    """The command line that starts this worker (what `main` parses)."""
+    return [
+        sys.executable,
+        "-m",
+        "libra.training.hybrid_worker",
+        "--hf-model",
+        hf_model,
+        "--lane",
+        lane,
+        "--replica",
+        str(replica),
+        "--generation",
+        str(generation),
+        "--training",
+        training,
+        "--backend",
+        backend,
+        "--ready-file",
+        ready_file,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

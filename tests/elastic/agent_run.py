@@ -51,31 +51,23 @@ class Launcher:
 
     def hybrid_replica(self, action, join):
         from libra.planner.controls import LaunchSpec
+        from libra.training.hybrid_worker import hybrid_worker_argv
         from tests.elastic.ehp_job import training_config
 
         raw = dataclasses.asdict(training_config(1))
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
             raw.pop(name)
         tag = f"hybrid{action.replica}-g{join.generation}"
-        argv = (
-            sys.executable,
-            "-m",
-            "libra.training.hybrid_worker",
-            "--hf-model",
+        argv = hybrid_worker_argv(
             self.spec["model"],
-            "--lane",
             join.lane_address,
-            "--replica",
-            str(action.replica),
-            "--generation",
-            str(join.generation),
-            "--training",
+            action.replica,
+            join.generation,
             json.dumps(raw),
-            "--ready-file",
             str(self.out_dir / f"{tag}.ready"),
         )
         env = {"PYTHONPATH": str(_REPO), "PYTHONWARNINGS": "ignore"}
-        return LaunchSpec(argv, env=env, cwd=str(_REPO), ready_file=str(self.out_dir / f"{tag}.ready"))
+        return LaunchSpec(tuple(argv), env=env, cwd=str(_REPO), ready_file=str(self.out_dir / f"{tag}.ready"))
 
 
 def _spawn_agent(controller, out_dir: Path) -> subprocess.Popen:
