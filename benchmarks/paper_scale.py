@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from libra.planner.search import NoFeasiblePlan, enumerate_training, search  # noqa: E402
 from libra.planner.training_cost import TrainingCostModel  # noqa: E402
 from libra.sim import WorkloadGenerator, load_sim_config, run_comparison  # noqa: E402
-from libra.sim.loop import PREFLIGHT_GROUP_OFFSET, preflight_history, record_of  # noqa: E402
+from libra.sim.loop import PREFLIGHT_GROUP_OFFSET, preflight_history, record_of, training_layout  # noqa: E402
 from libra.sim.pools import planning_problem  # noqa: E402
 from libra.sim.report import comparison_table, speedup_lines, write_report  # noqa: E402
 
@@ -81,20 +82,28 @@ def drifted_history(config, progress: float):
     return tuple(record_of(t) for t in traces[: config.history_size])
 
 
-def split_table(config) -> str:
+def split_table(config, max_uneven_rows: int = 6) -> str:
     """The planner's best plan for every training size its space allows, on the workload at the
-    start and at the end of the drift: a re-plan can only pay if another split wins somewhere."""
+    start and at the end of the drift: a re-plan can only pay if another split wins somewhere.
+    The space is the elastic policies' (DP sizes that do not divide the groups allowed, replicas
+    taking group-granular unequal shares); `equal shares` marks the sizes a restart-based system
+    (divisor-only DP) can reach too. Of the other sizes, the `max_uneven_rows` best are shown."""
     rows = [
-        f"### which split wins ({config.name}, planner's model)",
+        f"### which split wins ({config.name}, planner's model, elastic space)",
         "",
-        "| workload | train devices | rollout | predicted step s | T_train s | T_rollout s |",
-        "|---|---|---|---|---|---|",
+        "| workload | train devices | training layout | equal shares | rollout | predicted step s "
+        "| T_train s | T_rollout s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, progress in (("start (step 0)", 0.0), ("end of drift", 1.0)):
-        problem = planning_problem(config, drifted_history(config, progress), config.batch.max_staleness)
+        history = drifted_history(config, progress)
+        problem = planning_problem(config, history, config.batch.max_staleness, uneven_data_parallel=True)
+        divisor_only = planning_problem(config, history, config.batch.max_staleness)
         cost = TrainingCostModel(
             problem.cluster, problem.model, problem.batch, problem.config, config.train_factors
         )
+        even_sizes = {c.config.num_devices for c in enumerate_training(divisor_only, cost)}
+        found = []
         for n in sorted({c.config.num_devices for c in enumerate_training(problem, cost)}):
             forced = dataclasses.replace(
                 problem.config.search, min_train_devices=n, min_rollout_devices=config.num_devices - n
@@ -102,9 +111,17 @@ def split_table(config) -> str:
             try:
                 plan = _search_within(problem, forced, config)
             except NoFeasiblePlan as error:
-                rows.append(f"| {label} | {n} | infeasible: {error} | - | - | - |")
+                found.append((n, math.inf, f"| {label} | {n} | infeasible: {error} | - | - | - | - | - |"))
                 continue
-            rows.append(f"| {label} | {n} | {_plan_cells(plan)} |")
+            layout = training_layout(plan.training.config, problem.batch).split(" devices ", 1)[1]
+            equal = "yes" if n in even_sizes else "no"
+            cells = f"| {label} | {n} | {layout} | {equal} | {_plan_cells(plan)} |"
+            found.append((n, plan.predicted_step_s, cells))
+        ranked = sorted((step, n) for n, step, _ in found if n not in even_sizes)
+        shown = {n for _, n in ranked[:max_uneven_rows]} | even_sizes
+        rows += [cells for n, _, cells in found if n in shown]
+        if len(shown) < len(found):
+            rows.append(f"| {label} | ({len(found) - len(shown)} more uneven sizes, slower) | | | | | | |")
     return "\n".join(rows) + "\n"
 
 
@@ -122,6 +139,8 @@ def replan_summary(comparison) -> str:
         )
         shown = notes if len(notes) <= 6 else [*notes[:3], "...", *notes[-3:]]
         lines += [f"  - {n}" for n in shown]
+        applied = [n for n in r.notes if "applied plan" in n]  # the splits that won, in order
+        lines += [f"  - {n}" for n in applied]
     return "\n".join(lines)
 
 

@@ -13,7 +13,8 @@ publishes plan events); the job feeds it and executes what it adopts:
     adopted    whenever the planner's plan version moved past the one the job executed (its own
                adoption, or an external ProposePlan), the diff between the two is carried out by
                `ActionExecutor` on a thread while training keeps stepping; the next plan waits
-               until that one is done
+               until that one is done. A plan that restarts training (a new TP, PP or core DP:
+               `JobTrainingRestart`) runs at the step boundary instead, the loop waiting for it
     failed     the plan the cluster actually runs afterwards (the executor's instances, the
                pool's buckets) is proposed back, so the planner's current plan is the truth
 
@@ -30,18 +31,15 @@ Node loss: an instance whose node agent was lost is not restarted; the plan lose
 is reconciled, and plans that would start a worker on a lost agent's devices are refused.
 
 What the job cannot carry out is refused before anything runs, and the planner reconciled to the
-running layout: a plan that restarts training in a new layout (checkpoint, new ranks, load), and
-hybrid moves when the core is larger than one rank.
+running layout: hybrid moves when the core is larger than one rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +49,7 @@ from libra.config import LibraConfig
 from libra.control import ClusterClient
 from libra.control.types import EventKind
 from libra.job.config import JobConfig
+from libra.job.training_restart import JobTrainingRestart
 from libra.planner.actions import ActionExecutor, ExecutionReport, describe_action
 from libra.planner.config import ClusterSpec, ModelArch, PlanningProblem, RequestRecord, TrainingBatch
 from libra.planner.controls import HybridJoin, LaunchSpec
@@ -63,7 +62,6 @@ from libra.planner.diff import (
     StartRolloutInstance,
     diff_plans,
 )
-from libra.planner.evaluate import evaluate_plan
 from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacement
 from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
@@ -201,15 +199,13 @@ class JobLauncher:
         return LaunchSpec(tuple(argv), env, os.getcwd(), str(ready_file))
 
 
-class FixedTraining:
-    """`TrainingControl` (and, without a lane, `HybridControl`) of a job whose core training
-    layout stays as launched: plans that need it are refused before execution, so reaching any
-    method is a bug."""
+class NoHybridLane:
+    """`HybridControl` of a core larger than one rank, which hosts no hybrid lane: plans that
+    move hybrid replicas are refused before execution, so reaching any method is a bug."""
 
     def _refuse(self, *args, **kwargs):
-        raise RuntimeError("the job keeps its core training layout: a training restart is not supported yet")
+        raise RuntimeError("the core training layout hosts no hybrid lane (it is more than one rank)")
 
-    checkpoint = stop_training = start_training = load_checkpoint = _refuse
     request_join = cancel_join = request_release = _refuse
 
 
@@ -245,9 +241,8 @@ class RankHybridControl:
 
 
 def unsupported(actions: list[Action], hybrids: bool) -> list[Action]:
-    """The actions the job cannot carry out: a training restart, and hybrid moves without a lane."""
-    moves = (RestartTraining,) if hybrids else (RestartTraining, JoinHybridReplica, ReleaseHybridReplica)
-    return [a for a in actions if isinstance(a, moves)]
+    """The actions the job cannot carry out: hybrid moves without a lane."""
+    return [] if hybrids else [a for a in actions if isinstance(a, JoinHybridReplica | ReleaseHybridReplica)]
 
 
 # -- the planner in the loop -------------------------------------------------------------------
@@ -274,6 +269,9 @@ class JobPlanning:
         self.executed_version = 0
         self._execution: asyncio.Task[ExecutionReport] | None = None
         self._target: tuple[Plan, int] | None = None
+        self._restarts_training = False
+        self._train_first_device = 0
+        """Where the core's ranks start (the job launches them on the first devices)."""
         self.launcher = JobLauncher(workers)
         self.rollout = PoolRolloutControl(
             workers.pool,
@@ -282,11 +280,7 @@ class JobPlanning:
             remove_instance_coro=workers.forget_instance,
         )
         self._client = ClusterClient(controller.address, workers.token, workers.config.control)
-        self.hybrids = (
-            RankHybridControl(workers.train_addresses[0], workers.token, workers.config.control)
-            if getattr(workers, "hosts_hybrid_lane", False)
-            else None
-        )
+        self.hybrids: RankHybridControl | None = None
         self._pending_reconcile = ""
         """Why the planner must be reconciled at the next step boundary ("" : no need)."""
         self._lane_seen: tuple[int, str] = (0, "")
@@ -294,12 +288,25 @@ class JobPlanning:
         self.executor = ActionExecutor(
             self._client,
             self.rollout,
-            FixedTraining(),
-            self.hybrids or FixedTraining(),
+            JobTrainingRestart(workers),
+            NoHybridLane(),
             self.launcher,
             workers.config.planner.execution,
             events=self.events,
         )
+        self._bind_lane()
+
+    def _bind_lane(self) -> None:
+        """The hybrid control of the core that runs now: its rank's lane when it is one rank."""
+        if self.hybrids is not None:
+            self.hybrids.close()
+        workers = self.workers
+        self.hybrids = (
+            RankHybridControl(workers.train_addresses[0], workers.token, workers.config.control)
+            if getattr(workers, "hosts_hybrid_lane", False)
+            else None
+        )
+        self.executor.hybrid_control = self.hybrids or NoHybridLane()
 
     # -- launch ----------------------------------------------------------------------------------
 
@@ -338,11 +345,12 @@ class JobPlanning:
         """The layout the cluster runs now: the launched training, the executor's instances, the
         pool's bucket thresholds for the TP sizes that have instances."""
         training = self.workers.config.training
-        dp = training.world_size // (training.tensor_parallel * training.pipeline_parallel)
         hybrids = tuple(sorted(self.executor.running_hybrids()))
         placement = TrainingPlacement(
-            TrainingConfig(training.tensor_parallel, training.pipeline_parallel, dp + len(hybrids), 1),
-            first_device=0,
+            TrainingConfig(
+                training.tensor_parallel, training.pipeline_parallel, training.data_parallel + len(hybrids), 1
+            ),
+            first_device=self._train_first_device,
             hybrid_replicas=hybrids,
         )
         cluster = self.workers.planning_problem.cluster
@@ -380,16 +388,20 @@ class JobPlanning:
             self._reconcile(self._pending_reconcile)
             self._pending_reconcile = ""
         await self._follow_lane()
+        if self.workers.restarts_in_progress:
+            # An instance is being restarted: rollout runs short of its layout, so these steps
+            # measure no plan, and a plan now would act on an instance that is not there.
+            self._mirror_events()
+            return
         if len(self.history) >= 1:
             self.planner.update_history(tuple(self.history))
         # Rollout ran during the whole step: its batch arrived `wait_s` after training (and
-        # publication) of the previous one would have allowed.
-        train_s, rollout_s = times.train_s, times.wait_s + times.train_s
-        scale = self._model_scale(max(train_s, rollout_s))
+        # publication) of the previous one would have allowed. When the loop did not wait, that
+        # is only a bound on rollout's time; the planner's calibration treats it as one.
         obs = StepObservation(
             step=times.step,
-            train_s=train_s * scale,
-            rollout_s=rollout_s * scale,
+            train_s=times.train_s,
+            rollout_s=times.wait_s + times.train_s,
             active_pressure=self._active_pressure(),
             rejected_total=self.rejected_total,
             history_size=len(self.history),
@@ -402,21 +414,11 @@ class JobPlanning:
             )
         self._mirror_events()
         self._maybe_execute()
-
-    def _model_scale(self, measured_step_s: float) -> float:
-        """Measured seconds -> the cost model's seconds, one factor: the running plan's predicted
-        step (under the current history) over its measured one. The planner's apply rule weighs
-        the observed step against a candidate's *predicted* step; scaled, both are predictions of
-        the same (uncalibrated) model, while the measured rollout/train imbalance, a ratio, still
-        drives the triggers unchanged."""
-        if measured_step_s <= 0 or self.executed_plan is None or not self.history:
-            return 1.0
-        problem = dataclasses.replace(self.workers.planning_problem, history=tuple(self.history))
-        try:
-            predicted = evaluate_plan(problem, self.executed_plan).predicted_step_s
-        except ValueError:
-            return 1.0
-        return predicted / measured_step_s if 0 < predicted < math.inf else 1.0
+        if self._restarts_training:
+            # A training restart runs at this step boundary: the loop waits (no train step may
+            # run on ranks being replaced); rollout keeps serving meanwhile.
+            await asyncio.wait([self._execution])
+            self._finish_execution()
 
     def _active_pressure(self) -> float:
         loads = getattr(self.workers.pool.router, "instance_loads", None)
@@ -459,12 +461,16 @@ class JobPlanning:
             num_actions=len(actions),
         )
         self._target = (plan, version)
+        self._restarts_training = any(isinstance(a, RestartTraining) for a in actions)
         self.executed_version = version  # claimed: a later version diffs against this one
         self._execution = asyncio.create_task(asyncio.to_thread(self.executor.execute, actions, version))
 
     def _finish_execution(self) -> None:
         task, (plan, version) = self._execution, self._target
         self._execution = self._target = None
+        restarted, self._restarts_training = self._restarts_training, False
+        if restarted:  # new train ranks (or the old layout again): a new lane
+            self._bind_lane()
         try:
             report = task.result()
         except Exception as e:  # noqa: BLE001 - nothing ran (e.g. a device still held)
@@ -477,7 +483,8 @@ class JobPlanning:
         live = len(self.workers.pool.live_ids())
         if report.ok:
             self.executed_plan = plan
-            self.planner.record_reconfiguration(report.seconds)
+            self._train_first_device = plan.training.first_device
+            self.planner.record_reconfiguration(report.seconds, restart=restarted)
             self.recorder.event(
                 "plan_executed",
                 f"plan v{version} applied in {report.seconds:.1f} s ({len(report.results)} actions)",

@@ -54,6 +54,10 @@ class JobWorkers:
         self._load_seconds: dict[int, float] = {}
         self._retired: list[InstanceClient] = []
         self.restarts = 0
+        self.restarts_in_progress = 0
+        """Instances the watchdog is restarting now (the planner waits for them)."""
+        self._train_generation = 0
+        self.train_worker_ids: list[str] = []
         self.training_now = False
         """A train step is running (the loop sets it; the device-busy samples read it)."""
         self.on_instance_restarted = None
@@ -84,10 +88,8 @@ class JobWorkers:
             self.cluster.place(1, f"train rank {r}") for r in range(self.config.training.world_size)
         ]
         train_addresses, instance_ready = await asyncio.gather(
-            asyncio.to_thread(self._start_train_ranks, train_placements), self._start_instances()
+            asyncio.to_thread(self.start_train_ranks, train_placements), self._start_instances()
         )
-        self.trainer = TrainRanks(train_addresses, self.token, self.config.control)
-        self.train_addresses = train_addresses
 
         agent = self.config.rollout.agent
         self.agent_loop = AgentLoop(self.pool, self.chat, self.tools, agent, self.job.scheduler)
@@ -97,7 +99,7 @@ class JobWorkers:
         self._background = [asyncio.create_task(self._sample()), asyncio.create_task(self._watch_instances())]
         recorder.event(
             "started",
-            f"{len(self.instances)} rollout instances, {len(train_addresses)} train rank(s)",
+            f"{len(self.instances)} rollout instances, {len(self.train_addresses)} train rank(s)",
             model=str(self.model_dir),
         )
 
@@ -175,14 +177,20 @@ class JobWorkers:
 
         return planning_problem(self.config, self.job, self.model_dir)
 
-    def _start_train_ranks(self, placements) -> list[str]:
+    def start_train_ranks(self, placements) -> list[str]:
+        """Starts one train rank per placement in the layout of `config.training`, waits until
+        they serve, and makes them the job's trainer. The ranks of a training restart are a new
+        generation (worker ids are never reused)."""
         training = self.config.training
+        self._train_generation += 1
+        prefix = "train" if self._train_generation == 1 else f"train-g{self._train_generation}"
         master_port = free_port()
         master_addr = self.cluster.agent_host(placements[0].agent_id)
         started = []
+        self.train_worker_ids = []  # as they start: a failure part-way knows what to stop
         for rank, placement in enumerate(placements):
             host = self.cluster.agent_host(placement.agent_id)
-            port_file = self.run_dir / f"train-rank-{rank}.port"
+            port_file = self.run_dir / f"{prefix}-rank-{rank}.port"
             port_file.unlink(missing_ok=True)
             argv = [
                 sys.executable,
@@ -215,9 +223,12 @@ class JobWorkers:
             ]
             if self.hosts_hybrid_lane:
                 argv += ["--elastic", json.dumps(dataclasses.asdict(self.config.elastic))]
-            self.cluster.start_worker(f"train-{rank}", WorkerRole.TRAIN, placement, argv)
-            started.append((f"train-{rank}", port_file, host))
-        return [f"{host}:{self.cluster.wait_for_file(w, f)}" for w, f, host in started]
+            self.cluster.start_worker(f"{prefix}-{rank}", WorkerRole.TRAIN, placement, argv)
+            self.train_worker_ids.append(f"{prefix}-{rank}")
+            started.append((f"{prefix}-{rank}", port_file, host))
+        self.train_addresses = [f"{host}:{self.cluster.wait_for_file(w, f)}" for w, f, host in started]
+        self.trainer = TrainRanks(self.train_addresses, self.token, self.config.control)
+        return self.train_addresses
 
     async def _start_instances(self) -> None:
         self.pool = InstancePool(self._make_router(), self.token, self.job.scheduler, self.config.control)
@@ -291,6 +302,13 @@ class JobWorkers:
             max((self._load_seconds.get(i, 0.0) for i in ids), default=0.0),
         )
         return seconds
+
+    def republish(self) -> None:
+        """Publishes the current version again, from the trainer as it is now: after a training
+        restart the old ranks' buffers went with them, and an instance (re)started before the next
+        step must still find the version it is owed."""
+        published = self.trainer.publish_weights(self.current_version, self.tp_sizes_in_use())
+        self.loads = published.loads
 
     async def _bring_up_to_date(self, instance_id: int) -> bool:
         """Loads the latest version into the instance, retrying failed loads as the ledger says
@@ -418,7 +436,11 @@ class JobWorkers:
                         self.on_instance_gone(instance_id)
                     continue
                 self.restarts += 1
-                new_id = await self._start_instance(tp_size, placement)
+                self.restarts_in_progress += 1
+                try:
+                    new_id = await self._start_instance(tp_size, placement)
+                finally:
+                    self.restarts_in_progress -= 1
                 if self.on_instance_restarted is not None:
                     self.on_instance_restarted(instance_id, new_id)
                 self.recorder.event(

@@ -3,7 +3,9 @@ parallelism on each side.
 
 Owns the cost models (rollout: KV capacity, bandwidth-bound decode, prefill, per-bucket makespan;
 training: per-layer compute, TP/PP/DP communication, 1F1B, memory), their least-squares
-calibration, the exact two-level search, re-plan triggers and the apply rule, plan diffs as typed
+calibration (offline from measured steps, and online per stage against the running plan), the
+exact two-level search, re-plan triggers and the apply rule (calibrated model against calibrated
+model), plan diffs as typed
 actions for node agents, and the PlannerService gRPC servicer — all pure: no devices, no processes.
 The one exception is `actions.ActionExecutor`, which carries a diff out on node agents through the
 controller's cluster API, with the rollout and training sides behind the protocols of `controls`

@@ -10,10 +10,19 @@ costs nothing: efficiency inf) and the rest refitted, a small active-set method.
 in `fixed` keep their prior values and
 their contribution moves to the right-hand side -- use it when the measurements cannot separate
 a component (e.g. no communication at TP = 1).
+
+`StepCalibration` is the online half: while a plan runs, the planner compares each stage's
+measured step time with the model's prediction for that plan and scales the stage's factors by
+the ratio (`scaled_factors`), so that candidates and the running plan are priced by one
+calibrated model and their difference is in measured seconds.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,3 +121,160 @@ def holdout_errors(
             if (m.group or m.label) == group:
                 errors.append(HeldOutError(m.label, m.breakdown.seconds(factors), m.measured_s))
     return errors
+
+
+# -- online: per-stage scales of the running plan -------------------------------------------------
+
+
+def scaled_factors(factors: EfficiencyFactors, scale: float) -> EfficiencyFactors:
+    """Factors whose predictions are `scale` times those of `factors` (the collectives' latency
+    floor, a measured constant, stays as it is)."""
+    if not scale > 0 or math.isinf(scale):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return EfficiencyFactors(
+        compute=factors.compute / scale,
+        memory=factors.memory / scale,
+        communication=factors.communication / scale,
+        overhead_s=factors.overhead_s * scale,
+    )
+
+
+@dataclass(frozen=True)
+class StageScales:
+    """Measured over predicted step time, per stage."""
+
+    train: float = 1.0
+    rollout: float = 1.0
+
+
+ROLLOUT_BOUND_MARGIN = 0.05
+"""A step whose rollout time exceeds its train time by less than this share did not wait for
+rollout in any way a step time can show: its rollout time is only an upper bound."""
+
+
+PriceAt = Callable[[StageScales], tuple[float, float]]
+"""The running plan's (train, rollout) step time predicted with the factors scaled per stage."""
+
+MIN_SCALE, MAX_SCALE = 1e-3, 1e3
+MIN_SCALABLE_SHARE = 0.5
+SECANT_STEPS, SECANT_TOLERANCE = 8, 0.005
+
+
+class StepCalibration:
+    """Per-stage scales from the steps the running plan took.
+
+    A training step is measured directly. Rollout is measured only as the time it took to deliver
+    a step's batch, and when training was the slower stage that is the train time, not rollout's:
+    a bound. So the rollout scale is fitted to the median of the steps where rollout bound the
+    step when most of them did; otherwise it may only shrink to what the bound allows, starting
+    from the train scale (no evidence that the model errs differently on the two stages).
+    Scales outlive a plan change (they describe the model's error, not the plan); the steps do
+    not (they were measured under the old plan).
+
+    A scale is not simply measured / predicted: part of a prediction no factor scales (the
+    collectives' latency floor, the time trajectories spend in tools), and a bucket's makespan
+    switches between bounds, so each stage's prediction is piecewise linear in its scale. The
+    scale is the root of predicted(s) = measured, found by a few secant steps.
+
+    One scale per stage assumes the model errs alike on every layout. Where it does not, the
+    scales fitted under successive plans differ, and `spread` says by how much: a candidate
+    must beat the running plan by more than that to count as faster (else the planner would
+    move back and forth between layouts, each looking better under the other's scale)."""
+
+    def __init__(self, window: int = 8, min_steps: int = 3):
+        if window < 1 or not 1 <= min_steps <= window:
+            raise ValueError(f"calibration needs window >= min_steps >= 1, got {window}, {min_steps}")
+        self._steps: deque[tuple[float, float]] = deque(maxlen=window)
+        self._min_steps = min_steps
+        self.scales = StageScales()
+        self._rollout_measured = False
+        self._plan_fit: StageScales | None = None
+        self._past_fits: deque[StageScales] = deque(maxlen=window)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._steps)
+
+    def record(self, train_s: float, rollout_s: float) -> None:
+        if train_s > 0 and rollout_s > 0:
+            self._steps.append((train_s, rollout_s))
+
+    def restart(self) -> None:
+        """A new plan runs: the steps so far measured the old one."""
+        self._steps.clear()
+        if self._plan_fit is not None:
+            self._past_fits.append(self._plan_fit)
+        self._plan_fit = None
+
+    @property
+    def spread(self) -> float:
+        """How far the scales fitted under the recent plans lie apart (max / min - 1, the larger
+        of the two stages); 0 while only one plan was measured."""
+        fits = [*self._past_fits, *([self._plan_fit] if self._plan_fit else [])]
+        if len(fits) < 2:
+            return 0.0
+        return max(
+            max(values) / min(values) - 1 for values in ([f.train for f in fits], [f.rollout for f in fits])
+        )
+
+    def update(self, price_at: PriceAt) -> StageScales:
+        """The scales after fitting the running plan's predictions (`price_at`) to the recorded
+        steps (unchanged while too few steps were recorded under the running plan)."""
+        if len(self._steps) < self._min_steps:
+            return self.scales
+        bound = [r for t, r in self._steps if r > t * (1 + ROLLOUT_BOUND_MARGIN)]
+        measured = 2 * len(bound) > len(self._steps)
+        targets = (
+            statistics.median(t for t, _ in self._steps),
+            statistics.median(bound if measured else [r for _, r in self._steps]),
+        )
+        train, rollout = _fit(price_at, targets, (self.scales.train, self.scales.rollout))
+        if measured:
+            self._rollout_measured = True
+        else:  # `rollout` is the largest scale the bound allows
+            rollout = min(self.scales.rollout if self._rollout_measured else train, rollout)
+        self.scales = self._plan_fit = StageScales(train, rollout)
+        return self.scales
+
+
+def _fit(
+    price_at: PriceAt, targets: tuple[float, float], fallback: tuple[float, float]
+) -> tuple[float, float]:
+    """Per stage, the scale whose prediction meets the target (secant steps from scale 1). A
+    stage keeps its fallback when the model cannot price it (0 or inf), when no scale meets the
+    target (the parts no factor scales alone exceed the measurement: in an asynchronous loop a
+    step can take less than the slowest trajectory plus its tool time), or when at the solution
+    less than `MIN_SCALABLE_SHARE` of the prediction scales (a fixed part, the slowest
+    trajectory's latency say, bounds it): then the measurement says little about the factors,
+    and a scale fitted to it would call that stage nearly free or very slow."""
+    x0, y0 = (1.0, 1.0), price_at(StageScales(1.0, 1.0))
+    priceable = [0 < y < math.inf for y in y0]
+    x1 = tuple(
+        _clamp(t / y) if ok else f for t, y, ok, f in zip(targets, y0, priceable, fallback, strict=True)
+    )
+    met = [False, False]
+    for _ in range(SECANT_STEPS):
+        y1 = price_at(StageScales(*x1))
+        met = [
+            ok and abs(y - t) <= SECANT_TOLERANCE * t for y, t, ok in zip(y1, targets, priceable, strict=True)
+        ]
+        if all(m or not ok for m, ok in zip(met, priceable, strict=True)):
+            break
+        step = []
+        for a, fa, b, fb, t, done in zip(x0, y0, x1, y1, targets, met, strict=True):
+            slope = (fb - fa) / (b - a) if b != a else 0.0
+            if done or not math.isfinite(fb):
+                step.append(b)
+            elif slope > 0:
+                step.append(_clamp(b + (t - fb) / slope))
+            else:
+                step.append(_clamp(b * t / fb))
+        x0, y0, x1 = x1, y1, tuple(step)
+    if any(met):  # how much of each prediction its scale moves: y(x) - y(x/2) is half of it
+        half = price_at(StageScales(*(x / 2 for x in x1)))
+        met = [m and 2 * (y - h) >= MIN_SCALABLE_SHARE * y for m, y, h in zip(met, y1, half, strict=True)]
+    return tuple(x if m else f for x, m, f in zip(x1, met, fallback, strict=True))
+
+
+def _clamp(scale: float) -> float:
+    return min(MAX_SCALE, max(MIN_SCALE, scale))

@@ -224,6 +224,15 @@ class SearchConfig:
     `libra.planner.plan.place_rollout`)."""
     min_train_devices: int = 1
     min_rollout_devices: int = 1
+    uneven_data_parallel: bool = False
+    """Allow training DP sizes that do not divide the batch's G GRPO groups: each replica still
+    trains whole groups, ceil(G/DP) or floor(G/DP) of them, and the step is priced on the largest
+    share. This is what the elastic hybrid pool makes possible (a hybrid replica's gradients,
+    normalised by the global token count, are added to a core replica's before the DP
+    all-reduce, so shares need not be equal). Off by default: a layout launched or restarted as
+    Megatron DP groups gives every rank the same number of groups, and the job's hybrid pool
+    today joins one replica to a one-rank core only; the simulator turns it on for policies that
+    have the k-replica pool (`libra.sim.pools.planning_problem`)."""
     relative_tolerance: float = 1e-9
     """The search's result is within this relative distance of the optimum (bisection stop)."""
     threshold_candidates: int = 64
@@ -286,7 +295,12 @@ class TriggerPolicy:
     """A pressure trigger re-arms only after its signal fell this far below its threshold."""
     min_gain_ratio: float = 0.05
     reconfiguration_cost_s: float = 15.0
-    """Prior of the cost of applying a plan; replaced by the measured mean once one is recorded."""
+    """Prior of the cost of applying a plan that moves rollout instances and hybrid replicas;
+    replaced by the measured mean once one is recorded."""
+    restart_cost_s: float = 120.0
+    """Prior of the cost of a plan that restarts training (checkpoint, stop, start the new ranks,
+    load: training waits meanwhile); replaced by the measured mean of restarts once one is
+    recorded."""
     amortization_steps: int = 0
     """Steps the gain is counted over against the one-off cost; 0: plan_interval (or 1)."""
     cut_inflight: bool = False
@@ -317,8 +331,10 @@ class TriggerPolicy:
             )
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"planner.policy.hysteresis must be in [0, 1), got {self.hysteresis}")
-        if self.min_gain_ratio < 0 or self.reconfiguration_cost_s < 0:
-            raise ValueError("planner.policy.min_gain_ratio and reconfiguration_cost_s must be >= 0")
+        if self.min_gain_ratio < 0 or self.reconfiguration_cost_s < 0 or self.restart_cost_s < 0:
+            raise ValueError(
+                "planner.policy.min_gain_ratio, reconfiguration_cost_s and restart_cost_s must be >= 0"
+            )
 
 
 @dataclass(frozen=True)

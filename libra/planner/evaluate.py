@@ -12,7 +12,7 @@ from libra.planner.config import PlanningProblem
 from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.plan import BucketPlan, Plan
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS, build_rollout_space
-from libra.planner.training_cost import SequenceStats, TrainingCostModel
+from libra.planner.training_cost import SequenceStats, TrainingCostModel, batch_split_error
 
 
 def validate_plan(problem: PlanningProblem, plan: Plan) -> None:
@@ -28,11 +28,9 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> None:
         raise ValueError(f"training TP {cfg.tp} must divide the node ({dpn}) and align its first device")
     if problem.model.num_layers % cfg.pp:
         raise ValueError(f"training PP {cfg.pp} must divide the {problem.model.num_layers} layers")
-    if batch.global_batch % (cfg.dp * cfg.micro_batch) or (batch.global_batch // cfg.dp) % batch.group_size:
-        raise ValueError(
-            f"global batch {batch.global_batch} must split into DP {cfg.dp} x micro-batch "
-            f"{cfg.micro_batch} of whole groups of {batch.group_size}"
-        )
+    split_error = batch_split_error(batch, cfg, problem.config.search.uneven_data_parallel)
+    if split_error:
+        raise ValueError(f"global batch {batch.global_batch} cannot feed training {cfg}: {split_error}")
     train_cost = TrainingCostModel(cluster, problem.model, batch, problem.config, DEFAULT_TRAIN_FACTORS)
     if not train_cost.fits(cfg, SequenceStats.of(problem.history)):
         raise ValueError(f"training layout {cfg} does not fit device memory")

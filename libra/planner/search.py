@@ -3,8 +3,10 @@
 The space searched (the brute-force test enumerates exactly this):
 - Training: TP in `train_tp_sizes` dividing the node and the (KV) heads, PP in `train_pp_sizes`
   dividing the layers, DP with TP*PP*DP a multiple of the split granularity g, between
-  `min_train_devices` and N - `min_rollout_devices`, the global batch divisible by
-  DP x micro-batch, each DP rank receiving whole GRPO groups, and the memory model satisfied.
+  `min_train_devices` and N - `min_rollout_devices`, each DP rank receiving whole GRPO groups
+  -- the same number of them, or with `uneven_data_parallel` ceil(G/DP) or floor(G/DP) of them
+  (the step priced on the largest share) -- the largest share splitting into whole
+  micro-batches, and the memory model satisfied (on the largest share).
 - Rollout: on the remaining devices, any multiset of instances of the TP sizes in
   `rollout_tp_sizes` (powers of two dividing the node) with total size at most the remaining
   devices (left-over devices idle), plus routing thresholds on output tokens: the history,
@@ -54,7 +56,12 @@ from libra.planner.config import PlanningProblem
 from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.plan import BucketPlan, Plan, TrainingPlacement, place_rollout
 from libra.planner.rollout_cost import RolloutCostModel
-from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
+from libra.planner.training_cost import (
+    SequenceStats,
+    TrainingConfig,
+    TrainingCostModel,
+    batch_split_error,
+)
 
 DEFAULT_TRAIN_FACTORS = EfficiencyFactors(compute=0.45, memory=0.85, communication=0.7)
 DEFAULT_ROLLOUT_FACTORS = EfficiencyFactors(compute=0.55, memory=0.85, communication=0.7)
@@ -81,14 +88,14 @@ def enumerate_training(problem: PlanningProblem, cost: TrainingCostModel) -> lis
         for pp in search.train_pp_sizes:
             if model.num_layers % pp:
                 continue
-            for dp in (d for d in range(1, groups + 1) if groups % d == 0):  # whole groups per rank
+            for dp in range(1, groups + 1):  # every replica trains at least one whole group
                 n = tp * pp * dp
                 if n % g or n < search.min_train_devices or n > max_devices:
                     continue
                 for mb in batch.micro_batch_sizes:
-                    if batch.global_batch % (dp * mb):
-                        continue
                     cfg = TrainingConfig(tp, pp, dp, mb)
+                    if batch_split_error(batch, cfg, search.uneven_data_parallel):
+                        continue
                     if cost.fits(cfg, seqs):
                         candidates.append(TrainingCandidate(cfg, cost.step_s(cfg, seqs)))
     return sorted(candidates, key=lambda c: (c.step_s, c.config.num_devices, c.config))

@@ -23,6 +23,7 @@ POLICY_FIELDS = (
     "cooldown_steps",
     "min_gain_ratio",
     "reconfiguration_cost_s",
+    "restart_cost_s",
     "cut_inflight",
     "auto_apply",
     "rollout_train_ratio",

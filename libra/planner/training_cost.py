@@ -7,7 +7,8 @@ uses E[s^2], not E[s]^2) on one pipeline stage of L/pp layers:
 - TP: two all-reduces of the activations per layer forward and two backward (ring, intra-node),
   each also paying the link's latency floor (`HardwareProfile.allreduce_latency_s`);
 - PP: one activation send forward and one gradient send backward per micro-batch and stage;
-- 1F1B: (n_micro + pp - 1) slots of (forward + backward) of the slowest stage;
+- 1F1B: (n_micro + pp - 1) slots of (forward + backward) of the slowest stage, n_micro being the
+  micro-batches of the largest DP share (`largest_share`: with uneven shares, ceil(G/DP) groups);
 - the old-policy log-prob recompute is one more forward-only pipeline pass;
 - DP: gradient reduce-scatter + parameter all-gather (distributed optimizer) or an all-reduce,
   of which `DATA_PARALLEL_OVERLAP` hides behind the backward pass;
@@ -66,6 +67,33 @@ class SequenceStats:
         return SequenceStats(float(lengths.mean()), float((lengths**2).mean()), int(lengths.max()))
 
 
+def largest_share(batch: TrainingBatch, dp: int) -> int:
+    """Sequences of the largest DP share: G groups over `dp` replicas, whole groups each, is
+    ceil(G/dp) groups (G/dp when dp divides G); the step waits for that replica."""
+    groups = batch.global_batch // batch.group_size
+    return -(-groups // dp) * batch.group_size
+
+
+def batch_split_error(batch: TrainingBatch, cfg: TrainingConfig, uneven_data_parallel: bool) -> str | None:
+    """Why `cfg` cannot split the batch (None if it can): every DP replica trains whole groups
+    (at least one), equally many unless `uneven_data_parallel`, and the largest share splits into
+    whole micro-batches (smaller shares may end on a shorter one: they finish first anyway)."""
+    groups = batch.global_batch // batch.group_size
+    if cfg.dp > groups:
+        return f"DP {cfg.dp} exceeds the {groups} groups of {batch.group_size} (a replica would train none)"
+    if groups % cfg.dp and not uneven_data_parallel:
+        return (
+            f"DP {cfg.dp} does not divide the {groups} groups of {batch.group_size} "
+            "(uneven shares need planner.search.uneven_data_parallel)"
+        )
+    share = largest_share(batch, cfg.dp)
+    if share % cfg.micro_batch:
+        return (
+            f"the largest DP share, {share} sequences, does not split into micro-batches of {cfg.micro_batch}"
+        )
+    return None
+
+
 class TrainingCostModel:
     def __init__(
         self,
@@ -82,7 +110,8 @@ class TrainingCostModel:
         self.factors = factors
 
     def num_micro_batches(self, cfg: TrainingConfig) -> int:
-        return self.batch.global_batch // (cfg.dp * cfg.micro_batch)
+        """Micro-batches of the largest DP share (the replica the step waits for)."""
+        return -(-largest_share(self.batch, cfg.dp) // cfg.micro_batch)
 
     def _links(self, cfg: TrainingConfig) -> tuple[float, float]:
         """(pipeline link, data-parallel link) bandwidths: inter-node once the group leaves a node."""

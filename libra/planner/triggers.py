@@ -9,8 +9,9 @@ trigger is edge-triggered with hysteresis: once it fired it re-arms only after i
 re-plan every step.
 
 `decide_apply` is the apply rule: the gain per step, counted over the steps until the next
-periodic re-plan, must beat the reconfiguration cost (the measured mean once there is one), and
-the relative gain must reach `min_gain_ratio`.
+periodic re-plan, must beat the reconfiguration cost (the measured mean of that kind of plan --
+with or without a training restart -- once there is one), and the relative gain must reach
+`min_gain_ratio`.
 """
 
 from __future__ import annotations
@@ -118,18 +119,22 @@ class ApplyDecision:
 
 
 class ReconfigurationCosts:
-    """Measured seconds of applied plans; their mean replaces the policy's prior."""
+    """Measured seconds of applied plans, apart for plans that restart training (training waits
+    for those) and the rest; each kind's mean replaces the policy's prior for that kind."""
 
     def __init__(self) -> None:
-        self._samples: list[float] = []
+        self._samples: dict[bool, list[float]] = {False: [], True: []}
 
-    def record(self, seconds: float) -> None:
+    def record(self, seconds: float, restart: bool = False) -> None:
         if seconds < 0:
             raise ValueError(f"reconfiguration time must be >= 0, got {seconds}")
-        self._samples.append(seconds)
+        self._samples[restart].append(seconds)
 
-    def estimate(self, policy: TriggerPolicy) -> float:
-        return sum(self._samples) / len(self._samples) if self._samples else policy.reconfiguration_cost_s
+    def estimate(self, policy: TriggerPolicy, restart: bool = False) -> float:
+        samples = self._samples[restart]
+        if samples:
+            return sum(samples) / len(samples)
+        return policy.restart_cost_s if restart else policy.reconfiguration_cost_s
 
 
 def decide_apply(

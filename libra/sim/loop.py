@@ -23,6 +23,7 @@ import time
 from collections import deque
 from dataclasses import replace
 
+from libra.planner.calibration import scaled_factors
 from libra.planner.config import RequestRecord, TriggerPolicy
 from libra.planner.diff import JoinHybridReplica, ReleaseHybridReplica, RestartTraining, diff_plans
 from libra.planner.evaluate import evaluate_plan
@@ -416,21 +417,34 @@ class AsyncRun(PolicyRun):
     # Re-planning.
 
     def _start_planner(self) -> None:
-        prior = (
-            self.config.costs.hybrid_join_s + self.config.costs.instance_start_s
-            if self.policy.elastic
-            else self.config.costs.restart_training_s
+        costs = self.config.costs
+        # Without the elastic pool every training change is a restart (priced again below, by
+        # the candidate's diff, as the planner cannot tell a hybrid move from a restart then).
+        moves = (
+            costs.hybrid_join_s + costs.instance_start_s if self.policy.elastic else costs.restart_training_s
         )
         policy = replace(
-            self.config.planner.policy, auto_apply=False, cut_inflight=True, reconfiguration_cost_s=prior
+            self.config.planner.policy,
+            auto_apply=False,
+            cut_inflight=True,
+            reconfiguration_cost_s=moves,
+            restart_cost_s=costs.restart_training_s,
         )
-        problem = planning_problem(self.config, tuple(self.history), self.staleness_bound)
+        problem = self._planning_problem()
         problem = replace(problem, config=replace(problem.config, policy=policy))
         self.planner = Planner(
             problem, self.config.train_factors, self.config.rollout_factors, on_event=self._on_planner_event
         )
         # The planner starts from the layout already running (its initial plan).
         self.current_plan = self.planner.propose(self.current_plan, "the launch layout").plan
+
+    def _planning_problem(self):
+        """The re-plans' problem: with the elastic pool, training may grow by replicas that take
+        unequal, group-granular shares (`SearchConfig.uneven_data_parallel`); without it a
+        re-split restarts training into Megatron DP groups of equal shares."""
+        return planning_problem(
+            self.config, tuple(self.history), self.staleness_bound, uneven_data_parallel=self.policy.elastic
+        )
 
     def _on_planner_event(self, event) -> None:
         if event.kind == "rejected":
@@ -468,14 +482,18 @@ class AsyncRun(PolicyRun):
         costs = self.config.costs
         cost = costs.restart_training_s if restart else costs.hybrid_join_s + costs.instance_start_s
         # The gain is judged model against model: the running plan re-priced on the same history
-        # as the candidate. (Against the measured step, every candidate looks like a gain by the
-        # model's own error, and near-equal plans -- common when the slowest trajectory bounds
-        # rollout -- replace each other every few steps, each time restarting instances.)
-        problem = planning_problem(self.config, tuple(self.history), self.staleness_bound)
+        # as the candidate, with the factors the planner priced the candidate with (scaled by its
+        # calibration against the measured steps). (Against the measured step, every candidate
+        # looks like a gain by the model's own error, and near-equal plans -- common when the
+        # slowest trajectory bounds rollout -- replace each other every few steps.)
+        problem = self._planning_problem()
+        scales = planner.scales
+        factors = (
+            scaled_factors(self.config.train_factors, scales.train),
+            scaled_factors(self.config.rollout_factors, scales.rollout),
+        )
         try:
-            current_s = evaluate_plan(
-                problem, self.current_plan, self.config.train_factors, self.config.rollout_factors
-            ).predicted_step_s
+            current_s = evaluate_plan(problem, self.current_plan, *factors).predicted_step_s
         except ValueError:  # the running plan no longer fits the workload (e.g. memory, drift)
             current_s = math.inf
         decision = decide_apply(current_s, candidate.predicted_step_s, cost, planner.policy)
@@ -492,7 +510,7 @@ class AsyncRun(PolicyRun):
             self.plans_rejected += 1
             return
         adoption = planner.accept_candidate(decision.reason)
-        planner.record_reconfiguration(cost)
+        planner.record_reconfiguration(cost, restart=any(isinstance(a, RestartTraining) for a in actions))
         self._apply(adoption.plan, restart)
 
     def _apply(self, plan, restart: bool) -> None:
@@ -532,7 +550,7 @@ class AsyncRun(PolicyRun):
                 self.ledger.set_role([d], "unassigned", now)
         self.notes.append(
             f"step {self.step}: applied plan ({'restart' if restart else 'elastic'}): "
-            f"train {plan.training.config.num_devices} devices, {len(plan.instances)} instances"
+            f"train {training_layout(plan.training.config, self.batch)}, {len(plan.instances)} instances"
         )
 
     def _update_buckets(self, plan) -> None:
@@ -561,9 +579,18 @@ class AsyncRun(PolicyRun):
         self.cluster.schedule(at, self.ledger.set_role, [device], role, at)
 
 
+def training_layout(cfg: TrainingConfig, batch) -> str:
+    """E.g. `28 devices TP4 PP1 DP7 mb1 (groups 5 x4 + 4 x3)` (32 groups): the layout and its DP shares."""
+    groups = batch.global_batch // batch.group_size
+    low, extra = divmod(groups, cfg.dp)
+    shares = f"{low} x{cfg.dp}" if not extra else f"{low + 1} x{extra} + {low} x{cfg.dp - extra}"
+    return f"{cfg.num_devices} devices TP{cfg.tp} PP{cfg.pp} DP{cfg.dp} mb{cfg.micro_batch} (groups {shares})"
+
+
 def _layout(plan) -> str:
     mix = " + ".join(f"{b.num_instances}xTP{b.tp}" for b in plan.buckets if b.num_instances)
-    return f"train {plan.training.config.num_devices} devices, rollout {mix}"
+    cfg = plan.training.config
+    return f"train {cfg.num_devices} devices (DP{cfg.dp}), rollout {mix}"
 
 
 def simulate(

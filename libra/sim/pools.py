@@ -18,7 +18,12 @@ from libra.planner.config import PlanningProblem, RequestRecord, TrainingBatch
 from libra.planner.plan import Plan, RolloutInstance, place_rollout
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.search import search
-from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
+from libra.planner.training_cost import (
+    SequenceStats,
+    TrainingConfig,
+    TrainingCostModel,
+    batch_split_error,
+)
 from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
 
@@ -47,10 +52,21 @@ class Layout:
 
 
 def planning_problem(
-    config: SimConfig, history: tuple[RequestRecord, ...], max_staleness: int
+    config: SimConfig,
+    history: tuple[RequestRecord, ...],
+    max_staleness: int,
+    uneven_data_parallel: bool = False,
 ) -> PlanningProblem:
+    """The planner's problem for the config. `uneven_data_parallel` (the search's option, which
+    this sets either way) lets training take DP sizes that do not divide the batch's groups: the
+    re-plans of policies with the elastic hybrid pool, whose replicas take group-granular
+    unequal shares. The launch plan (and a restart-based system's re-plans) form Megatron DP
+    groups with equal shares."""
     batch = replace(config.batch, max_staleness=max_staleness)
-    return PlanningProblem(config.cluster, config.model, batch, history, config.planner)
+    search = replace(config.planner.search, uneven_data_parallel=uneven_data_parallel)
+    return PlanningProblem(
+        config.cluster, config.model, batch, history, replace(config.planner, search=search)
+    )
 
 
 def best_training_config(
@@ -75,11 +91,10 @@ def best_training_config(
             if config.model.num_layers % pp:
                 continue
             for dp, mb in ((d, m) for d in range(1, groups + 1) for m in batch.micro_batch_sizes):
-                if groups % dp or tp * pp * dp > num_devices:
-                    continue
-                if batch.global_batch % (dp * mb):
-                    continue
                 cfg = TrainingConfig(tp, pp, dp, mb)
+                # These layouts never change (no elastic pool): equal shares, as Megatron DP.
+                if tp * pp * dp > num_devices or batch_split_error(batch, cfg, uneven_data_parallel=False):
+                    continue
                 if cost.fits(cfg, seqs):
                     step = cost.step_s(cfg, seqs)
                     if best is None or (step, cfg.num_devices, cfg) < best:

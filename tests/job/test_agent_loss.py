@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,9 +21,8 @@ import pytest
 from libra.config import ControlConfig
 from libra.control.client import ClusterClient
 from libra.control.types import AgentState
-from libra.job.loop import GrpoJob
 from libra.job.recorder import read_jsonl
-from libra.job.run import load_job_config
+from tests.job.driven_job import LOST_OUTCOMES, run_driven_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,9 +40,6 @@ OVERRIDES = [
     "job.rollout_tp_sizes=1,1",  # one TP-1 instance on each agent
     "planner.policy.auto_apply=false",
 ]
-if os.environ.get("LIBRA_JOB_TEST_MODEL"):
-    OVERRIDES.append(f"job.model={os.environ['LIBRA_JOB_TEST_MODEL']}")
-LOST_OUTCOMES = {"error", "no_instance", "aborted", "running"}
 
 
 def _second_agent(run_dir: Path, fault: dict) -> None:
@@ -87,14 +82,9 @@ def fault() -> dict:
 def run_dir(tmp_path_factory, fault) -> Path:
     run_dir = tmp_path_factory.mktemp("agentloss") / "run"
     (run_dir / "logs").mkdir(parents=True)
-    config, job_config = load_job_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *OVERRIDES])
-    thread = threading.Thread(target=_second_agent, args=(run_dir, fault))
-    thread.start()
     try:
-        result = GrpoJob(config, job_config).run()
+        result = run_driven_job(run_dir, OVERRIDES, _second_agent, fault)
     finally:
-        fault["stop"] = True
-        thread.join()
         if "process" in fault and fault["process"].poll() is None:
             fault["process"].kill()
     assert result.version == NUM_STEPS

@@ -20,24 +20,22 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from libra.config import ControlConfig
-from libra.control.auth import open_channel
 from libra.control.client import ClusterClient
-from libra.job.loop import GrpoJob
 from libra.job.recorder import read_jsonl
 from libra.job.report import write_report
-from libra.job.run import load_job_config
-from libra.v1 import planner_pb2, planner_pb2_grpc
+from libra.v1 import planner_pb2
+from tests.job.driven_job import LOST_OUTCOMES, planner_stub, run_driven_job, wait_for
+from tests.job.driven_job import events as _events
 
 pytestmark = pytest.mark.multiprocess
 
-NUM_STEPS = 36
+NUM_STEPS = 56
 BATCH = 8
 OVERRIDES = [
     f"job.num_steps={NUM_STEPS}",
@@ -53,21 +51,6 @@ OVERRIDES = [
     "backend.num_devices=3",
     "job.rollout_tp_sizes=1,1",
 ]
-if os.environ.get("LIBRA_JOB_TEST_MODEL"):
-    OVERRIDES.append(f"job.model={os.environ['LIBRA_JOB_TEST_MODEL']}")
-LOST_OUTCOMES = {"error", "no_instance", "aborted", "running"}
-
-
-def _events(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "events.jsonl")
-
-
-def _wait(condition, driver: dict) -> bool:
-    while not condition():
-        if driver.get("stop"):
-            return False
-        time.sleep(0.3)
-    return True
 
 
 def _with_hybrid(launch: planner_pb2.Plan) -> planner_pb2.Plan:
@@ -82,18 +65,17 @@ def _with_hybrid(launch: planner_pb2.Plan) -> planner_pb2.Plan:
 
 
 def _external_controller(run_dir: Path, driver: dict) -> None:
-    if not _wait(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, driver):
+    if not wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, driver):
         return
+    channel, stub = planner_stub(run_dir)
     address = (run_dir / "controller.addr").read_text().strip()
     token = (run_dir / "token").read_text().strip()
-    channel = open_channel(address, token, ControlConfig())
-    stub = planner_pb2_grpc.PlannerServiceStub(channel)
     launch = stub.GetPlan(planner_pb2.GetPlanRequest()).current
     driver["launch"] = launch
     driver["join"] = stub.ProposePlan(
         planner_pb2.ProposePlanRequest(plan=_with_hybrid(launch), reason="test: device 1 trains")
     )
-    if not _wait(lambda: any(e["kind"] == "hybrid_active" for e in _events(run_dir)), driver):
+    if not wait_for(lambda: any(e["kind"] == "hybrid_active" for e in _events(run_dir)), driver):
         return
     driver["active_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
     time.sleep(3.0)  # into the next steps: the kill lands while the core relies on the replica
@@ -105,7 +87,7 @@ def _external_controller(run_dir: Path, driver: dict) -> None:
         )
     os.killpg(hybrid.pid, signal.SIGKILL)
     driver["killed"] = hybrid.spec.worker_id
-    if not _wait(lambda: any(e["kind"] == "hybrid_retired" for e in _events(run_dir)), driver):
+    if not wait_for(lambda: any(e["kind"] == "hybrid_retired" for e in _events(run_dir)), driver):
         return
     driver["back"] = stub.ProposePlan(
         planner_pb2.ProposePlanRequest(plan=launch, reason="test: device 1 rolls out again")
@@ -121,14 +103,7 @@ def driver() -> dict:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, driver) -> Path:
     run_dir = tmp_path_factory.mktemp("hybrid") / "run"
-    config, job_config = load_job_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *OVERRIDES])
-    thread = threading.Thread(target=_external_controller, args=(run_dir, driver))
-    thread.start()
-    try:
-        result = GrpoJob(config, job_config).run()
-    finally:
-        driver["stop"] = True
-        thread.join()
+    result = run_driven_job(run_dir, OVERRIDES, _external_controller, driver)
     assert result.version == NUM_STEPS
     write_report(run_dir)
     return run_dir

@@ -169,6 +169,7 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
         instances={0: ("rollout-0", 1), 1: ("rollout-1", 1)},
         forget_instance=forget,
         run_dir=tmp_path,
+        restarts_in_progress=0,
     )
     recorder = Recorder()
     planning = JobPlanning(workers, recorder)
@@ -230,6 +231,27 @@ def test_external_plan_is_executed_at_the_next_step_and_recorded(model_dir, tmp_
     asyncio.run(scenario())
 
 
+def test_no_plan_runs_and_no_step_is_observed_while_an_instance_restarts(model_dir, tmp_path):
+    """The watchdog restarting a dead instance: the layout is short of it, so the planner neither
+    learns from those steps nor has a plan carried out (it would stop or drain an instance that
+    is not there); both resume once the instance is back."""
+
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        planning.workers.restarts_in_progress = 1
+        adoption = planning.planner.propose(_shrunk(planning.planner.current, 2), "external")
+        for step in range(1, 12):
+            await _settle(planning, step)
+        assert planning.executor.executed == []
+        assert planning.planner.version == adoption.version  # no trigger was fed
+        planning.workers.restarts_in_progress = 0
+        await _settle(planning, 12)
+        await _settle(planning, 13)
+        assert [version for version, _ in planning.executor.executed] == [adoption.version]
+
+    asyncio.run(scenario())
+
+
 def test_plan_needing_a_hybrid_join_is_refused_and_the_planner_reconciled(model_dir, tmp_path):
     async def scenario():
         planning, recorder = _planning(model_dir, tmp_path)
@@ -287,14 +309,15 @@ def test_instance_lost_with_its_agent_is_replanned_without_it(model_dir, tmp_pat
     async def scenario():
         planning, recorder = _planning(model_dir, tmp_path)
         launch = planning.planner.current
+        controller = planning.workers.cluster.controller
+        controller.agents[0] = dataclasses.replace(controller.agents[0], state=AgentState.LOST)
         planning.on_instance_gone(1)  # the watchdog: pool instance 1 (device 2) died with its agent
         await planning.after_step(StepTimes(1, 0.1, 1.0, 0))
         assert "plan_replanned" in recorder.kinds()
         assert [i.devices for i in planning.planner.current.instances] == [(1,)]
         assert "rollout-tp1-d2" not in planning.executor.running_instances()
         # A plan that puts an instance back on the lost agent's device is refused.
-        controller = planning.workers.cluster.controller
-        controller.agents[0] = dataclasses.replace(controller.agents[0], state=AgentState.LOST)
+        recorder.events.clear()
         planning.planner.propose(launch, "external")
         await planning.after_step(StepTimes(2, 0.1, 1.0, 0))
         refused = [e["message"] for e in recorder.events if e["kind"] == "plan_refused"]

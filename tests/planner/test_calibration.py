@@ -7,9 +7,16 @@ import numpy as np
 import pytest
 
 from libra.backends.profiles import A800_SXM4_80GB
-from libra.planner.calibration import Measurement, fit_factors, holdout_errors
+from libra.planner.calibration import (
+    Measurement,
+    StageScales,
+    StepCalibration,
+    fit_factors,
+    holdout_errors,
+    scaled_factors,
+)
 from libra.planner.config import ClusterSpec, PlannerConfig, TrainingBatch
-from libra.planner.cost_model import EfficiencyFactors
+from libra.planner.cost_model import EfficiencyFactors, TimeBreakdown
 from libra.planner.cpu_reference import megatron_measurements, vllm_decode_measurements
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
@@ -87,3 +94,69 @@ def test_cpu_vllm_decode_held_out_error():
     by_label = {e.label: abs(e.relative_error) for e in errors}
     assert by_label["vllm-mid"] < 0.3 and by_label["vllm-small"] < 0.3
     assert max(by_label.values()) < 1.0
+
+
+# -- online: per-stage scales of the running plan ---------------------------------------------
+
+
+def _price_at(scales: StageScales) -> tuple[float, float]:
+    """A plan whose train step has 1 s no factor scales and whose rollout makespan switches
+    bounds at scale 2 (a bucket's slowest request vs its total work), plus 0.5 s in tools."""
+    return 2.0 * scales.train + 1.0, max(3.0 * scales.rollout, 5.0 * scales.rollout - 4.0) + 0.5
+
+
+def test_step_calibration_fits_each_stage_through_fixed_parts_and_bound_switches():
+    train, rollout = _price_at(StageScales(1.7, 2.5))
+    calibration = StepCalibration()
+    for noise in (0.99, 1.0, 1.01):
+        calibration.record(train * noise, rollout * noise)
+    scales = calibration.update(_price_at)
+    assert scales.train == pytest.approx(1.7, rel=0.01) and scales.rollout == pytest.approx(2.5, rel=0.01)
+    # A new plan: the old plan's steps are gone, the scales stay until new steps are fitted.
+    calibration.restart()
+    assert calibration.num_steps == 0 and calibration.update(_price_at) == scales
+
+
+def test_a_stage_the_model_cannot_explain_keeps_its_scale():
+    """Rollout measured at 9 s where the model's unscaled part (tool time) alone is 10 s: no
+    scale explains it, and pushing the scale to its bound would call rollout free."""
+    calibration = StepCalibration(min_steps=1)
+    calibration.record(4.4, 9.0)
+    scales = calibration.update(lambda s: (2.0 * s.train + 1.0, 3.0 * s.rollout + 10.0))
+    assert scales.train == pytest.approx(1.7, rel=0.01) and scales.rollout == 1.0
+
+
+def test_a_step_training_bounds_only_caps_the_rollout_scale():
+    """Rollout delivered as fast as training consumed: its measured time (the train time) is an
+    upper bound, so the rollout scale may fall to it but never rise to it."""
+    calibration = StepCalibration(min_steps=1)
+    train, _ = _price_at(StageScales(1.5, 1.0))
+    calibration.record(train, train)
+    scales = calibration.update(_price_at)
+    # Without a rollout measurement the rollout scale follows the train scale (1.5), but rollout
+    # no slower than the 4 s train step allows at most (4 - 0.5) / 3 = 1.17.
+    assert scales.train == pytest.approx(1.5, rel=0.01)
+    assert scales.rollout == pytest.approx((train - 0.5) / 3.0, rel=0.01)
+    fast = StepCalibration(min_steps=1)
+    fast.record(0.8, 0.8)  # train 2 s + 0.2 at scale 0.3; rollout s + 0.1 could be up to 0.7
+    scales = fast.update(lambda s: (2.0 * s.train + 0.2, s.rollout + 0.1))
+    assert (scales.train, scales.rollout) == pytest.approx((0.3, 0.3), rel=0.01)
+    # A rollout-bound step measures the rollout scale; later bounds may only lower it.
+    calibration.restart()
+    train, rollout = _price_at(StageScales(1.0, 3.0))
+    calibration.record(train, rollout)
+    assert calibration.update(_price_at).rollout == pytest.approx(3.0, rel=0.01)
+    calibration.restart()
+    calibration.record(train, train)
+    assert calibration.update(_price_at).rollout == pytest.approx((train - 0.5) / 3.0, rel=0.01)
+
+
+def test_scaled_factors_scale_every_prediction_but_the_latency_floor():
+    breakdown = TimeBreakdown(
+        compute_s=1.0, memory_s=2.0, communication_s=0.5, overhead_steps=3, latency_s=0.1
+    )
+    factors = EfficiencyFactors(compute=0.4, memory=0.8, communication=0.5, overhead_s=0.01)
+    base = breakdown.seconds(factors) - 0.1
+    assert breakdown.seconds(scaled_factors(factors, 2.5)) - 0.1 == pytest.approx(2.5 * base)
+    with pytest.raises(ValueError, match="scale"):
+        scaled_factors(factors, 0.0)

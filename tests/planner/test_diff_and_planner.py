@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from libra.planner.calibration import scaled_factors
 from libra.planner.config import TriggerPolicy, load_problem
 from libra.planner.diff import (
     JoinHybridReplica,
@@ -17,8 +18,10 @@ from libra.planner.diff import (
     StopRolloutInstance,
     diff_plans,
 )
+from libra.planner.evaluate import evaluate_plan
 from libra.planner.plan import Plan, TrainingPlacement, place_rollout
 from libra.planner.planner import Planner
+from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
 from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
 
@@ -76,25 +79,125 @@ def test_shape_change_or_losing_core_replicas_restarts_training():
     assert actions == []
 
 
+def _measured(problem, plan: Plan, scale: float) -> tuple[float, float]:
+    """A step the plan takes on hardware `scale` times slower than the model's default factors."""
+    priced = evaluate_plan(
+        problem,
+        plan,
+        scaled_factors(DEFAULT_TRAIN_FACTORS, scale),
+        scaled_factors(DEFAULT_ROLLOUT_FACTORS, scale),
+    )
+    return priced.predicted_train_s, priced.predicted_rollout_s
+
+
 def test_planner_applies_only_worthwhile_plans_and_emits_events():
     problem = load_problem(SAMPLE)
     events = []
     planner = Planner(problem, on_event=events.append)
     first = planner.initial_plan()
     assert first.version == 1 and planner.current is first.plan
-    # A current step much slower than the candidate: periodic trigger at step 10 applies.
     planner.set_policy(
         TriggerPolicy(
-            plan_interval=10, warmup_steps=0, cooldown_steps=0, min_history=1, reconfiguration_cost_s=0.0
+            plan_interval=5,
+            warmup_steps=2,  # the calibration fits once the plan ran 3 steps
+            cooldown_steps=0,
+            min_history=1,
+            reconfiguration_cost_s=0.0,
+            restart_cost_s=0.0,
         )
     )
-    applied = [planner.observe(StepObservation(s, train_s=100.0, rollout_s=100.0)) for s in range(11)]
-    assert applied[0] is not None and applied[0].version == 2
-    assert all(a is None for a in applied[1:10]) and applied[10] is not None
-    # Measured reconfiguration costs outweigh a small gain: rejected.
-    planner.record_reconfiguration(1e6)
-    assert planner.observe(StepObservation(20, train_s=30.0, rollout_s=30.0)) is None
-    assert events[-1].kind == "rejected"
+    # The running plan (a poor one: its rollout bounds the step at 34.8 s against the optimum's
+    # 21.5 s) measured 3x slower than the model says: the candidate's gain is judged by the
+    # calibrated model, so it is priced in measured seconds.
+    planner.propose(make_plan(8, 1, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1]))
+    applied = []
+    for step in range(8):
+        train_s, rollout_s = _measured(problem, planner.current, 3.0)
+        applied.append(planner.observe(StepObservation(step, train_s=train_s, rollout_s=rollout_s)))
+        if step == 2:
+            assert planner.scales.train == pytest.approx(
+                3.0, rel=0.01
+            ) and planner.scales.rollout == pytest.approx(3.0, rel=0.01)
+            assert "model calibrated x" in events[-1].message
+    assert applied[:2] == [None, None] and applied[2] is not None and applied[2].version == 3
+    assert applied[2].plan.predicted_step_s == pytest.approx(3.0 * first.plan.predicted_step_s, rel=0.01)
+    # The optimum now runs, measured as slow as before: the search finds itself, no gain.
+    assert all(a is None for a in applied[3:])
+    assert events[-1].kind == "rejected" and planner.scales.train == pytest.approx(3.0, rel=0.01)
+    assert "not faster" in events[-1].message or "below min_gain_ratio" in events[-1].message
+    # Measured costs of restarting training outweigh a real gain: rejected. (From the poor plan
+    # the optimum changes the training shape, TP 8 -> 4: a restart.)
+    poor = planner.propose(make_plan(8, 1, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1])).plan
+    train_s, rollout_s = _measured(problem, poor, 1.0)
+    planner.record_reconfiguration(1.0)
+    planner.record_reconfiguration(1e6, restart=True)
+    assert planner.observe(StepObservation(20, train_s=train_s, rollout_s=rollout_s)) is None
+    assert events[-1].kind == "rejected" and "does not beat the 1000000.0 s" in events[-1].message
+
+
+def test_apply_rule_compares_model_with_model_not_a_measured_step_with_a_prediction():
+    """The two ways a measured step against a prediction goes wrong: a running optimum on slow
+    hardware looks beaten by its own prediction, a poor plan on fast hardware looks unbeatable."""
+    problem = load_problem(SAMPLE)
+    policy = TriggerPolicy(
+        plan_interval=3,  # re-plans at steps 2 and 5, each after 3 steps of the running plan
+        warmup_steps=2,
+        rollout_train_ratio=100.0,  # (no pressure trigger in between)
+        cooldown_steps=0,
+        min_history=1,
+        reconfiguration_cost_s=0.0,
+        restart_cost_s=0.0,
+    )
+    problem = dataclasses.replace(problem, config=dataclasses.replace(problem.config, policy=policy))
+    planner = Planner(problem)
+    optimum = planner.initial_plan().plan
+    slow_train, slow_rollout = _measured(problem, optimum, 4.0)
+    for step in range(3):
+        assert planner.observe(StepObservation(step, train_s=slow_train, rollout_s=slow_rollout)) is None
+    assert planner.version == 1 and planner.scales.train == pytest.approx(4.0, rel=0.01)
+
+    planner = Planner(problem)  # other hardware
+    planner.initial_plan()
+    poor = planner.propose(make_plan(8, 1, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1])).plan
+    fast_train, fast_rollout = _measured(problem, poor, 0.5)
+    assert max(fast_train, fast_rollout) < optimum.predicted_step_s  # measured beats the raw model
+    adopted = [
+        planner.observe(StepObservation(s, train_s=fast_train, rollout_s=fast_rollout)) for s in (0, 1, 2)
+    ]
+    assert adopted[:2] == [None, None] and adopted[2] is not None and planner.version == 3
+    assert planner.current.training.config == optimum.training.config
+    # Priced by the calibrated model: what the same layout takes on the fast hardware.
+    assert planner.current.predicted_step_s == pytest.approx(
+        max(_measured(problem, planner.current, 0.5)), rel=0.01
+    )
+    assert planner.current.predicted_step_s < 0.8 * max(fast_train, fast_rollout)
+
+
+def test_a_gain_within_the_calibrations_spread_across_plans_is_no_gain():
+    """The model errs differently on two layouts (fitted x1.0 under one, x1.5 under the other): a
+    candidate must beat the running plan by more than that 50 % to be applied, else each layout
+    would look better under the other's scale and the planner would move back and forth."""
+    problem = load_problem(SAMPLE)
+    policy = TriggerPolicy(
+        plan_interval=3,
+        warmup_steps=2,
+        cooldown_steps=0,
+        min_history=1,
+        reconfiguration_cost_s=0.0,
+        restart_cost_s=0.0,
+        rollout_train_ratio=100.0,
+    )
+    problem = dataclasses.replace(problem, config=dataclasses.replace(problem.config, policy=policy))
+    events = []
+    planner = Planner(problem, on_event=events.append)
+    optimum = planner.initial_plan().plan
+    for step in range(3):
+        planner.observe(StepObservation(step, *_measured(problem, optimum, 1.0)))
+    poor = planner.propose(make_plan(8, 1, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1])).plan
+    for step in range(3, 6):
+        assert planner.observe(StepObservation(step, *_measured(problem, poor, 1.5))) is None
+    assert events[-1].kind == "rejected" and "apart across plans" in events[-1].message
+    assert "below min_gain_ratio 50" in events[-1].message
 
 
 def test_external_controller_vetoes_accepts_and_proposes():
@@ -105,20 +208,23 @@ def test_external_controller_vetoes_accepts_and_proposes():
         cooldown_steps=0,
         min_history=1,
         reconfiguration_cost_s=0.0,
+        restart_cost_s=0.0,
         auto_apply=False,
         min_gain_ratio=0.0,
     )
     problem = dataclasses.replace(problem, config=dataclasses.replace(problem.config, policy=policy))
     planner = Planner(problem)
     planner.initial_plan()
-    assert planner.observe(StepObservation(0, train_s=500.0, rollout_s=500.0)) is None
+    poor = planner.propose(make_plan(8, 1, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1])).plan
+    train_s, rollout_s = _measured(problem, poor, 1.0)
+    assert planner.observe(StepObservation(0, train_s=train_s, rollout_s=rollout_s)) is None
     assert planner.candidate is not None
     planner.veto_candidate("not now")
     assert planner.candidate is None
     with pytest.raises(RuntimeError):
         planner.accept_candidate()
-    planner.observe(StepObservation(1, train_s=500.0, rollout_s=500.0))
-    assert planner.accept_candidate().version == 2
+    planner.observe(StepObservation(1, train_s=train_s, rollout_s=rollout_s))
+    assert planner.accept_candidate().version == 3
     # An external plan is validated and re-priced.
     external = make_plan(8, 1, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1])
     adopted = planner.propose(external)

@@ -1,0 +1,93 @@
+"""A training restart in a new layout, as the job carries it out (`TrainingControl` for the
+planner's executor).
+
+A plan that changes the core's shape (TP, PP, or DP beyond what the elastic hybrid pool adds)
+restarts training: the ranks save a Megatron distributed checkpoint (loadable at any TP/PP), stop,
+the new layout's ranks start on the plan's devices, and load it. The job runs such a plan at a step
+boundary while its loop waits (`JobPlanning`): no train step is in flight, and rollout keeps
+serving on its instances meanwhile. Afterwards the new ranks publish the current version again
+(the old ranks' weight buffers went with them), so an instance restarted later still loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from libra.job.workers import Placement
+from libra.planner.device_map import DeviceMap
+from libra.planner.diff import RestartTraining
+
+if TYPE_CHECKING:
+    from libra.job.setup import JobWorkers
+
+logger = logging.getLogger(__name__)
+
+
+class JobTrainingRestart:
+    """`TrainingControl` over the job's train ranks. If the new layout's ranks do not come up, the
+    old layout is started again from the same checkpoint before the failure is reported: the run
+    goes on as it was, and the planner is reconciled to it."""
+
+    def __init__(self, workers: JobWorkers):
+        self.workers = workers
+        self._count = 0
+        self._checkpoint = ""
+        self._old: tuple = ()
+
+    def checkpoint(self) -> str:
+        self._count += 1
+        directory = self.workers.run_dir / "restarts" / f"restart-{self._count}"
+        version = self.workers.trainer.save_checkpoint(str(directory))
+        logger.info("training restart %d: saved version %d to %s", self._count, version, directory)
+        self._checkpoint = str(directory)
+        return self._checkpoint
+
+    def stop_training(self) -> None:
+        workers = self.workers
+        self._old = (workers.config.training, [workers.cluster.workers[w] for w in workers.train_worker_ids])
+        workers.trainer.close()
+        for worker_id in workers.train_worker_ids:
+            workers.cluster.stop_worker(worker_id)
+
+    def start_training(self, layout: RestartTraining) -> None:
+        """One rank per device of `layout.new_devices`, in order."""
+        workers = self.workers
+        devices = DeviceMap.from_cluster_state(workers.cluster.controller.cluster.snapshot())
+        placements = []
+        for device in layout.new_devices:
+            agent_id, local = devices.locate((device,))
+            placements.append(Placement(agent_id, tuple(local)))
+        workers.config.training = dataclasses.replace(
+            workers.config.training,
+            tensor_parallel=layout.tp,
+            pipeline_parallel=layout.pp,
+            data_parallel=layout.dp,
+        )
+        try:
+            workers.start_train_ranks(placements)
+        except Exception as e:
+            self._back_to_old_layout(e)
+            raise RuntimeError(
+                f"the new training layout did not start ({type(e).__name__}: {e}); "
+                "training resumed in the old layout from the restart checkpoint"
+            ) from e
+
+    def load_checkpoint(self, checkpoint: str) -> None:
+        version = self.workers.trainer.load_checkpoint(checkpoint)
+        if version != self.workers.current_version:
+            raise RuntimeError(
+                f"the restarted ranks loaded version {version}, the job is at {self.workers.current_version}"
+            )
+        self.workers.republish()
+
+    def _back_to_old_layout(self, error: Exception) -> None:
+        workers = self.workers
+        logger.error("training restart %d failed, restoring the old layout: %s", self._count, error)
+        for worker_id in workers.train_worker_ids:
+            workers.cluster.stop_worker(worker_id)
+        training, placements = self._old
+        workers.config.training = training
+        workers.start_train_ranks(placements)
+        self.load_checkpoint(self._checkpoint)

@@ -1,0 +1,65 @@
+"""Runs a job of the embedded default with a driver thread beside it: the driver plays an
+external controller or a fault injector (it watches the run folder and acts through the gRPC API
+or on processes). Shared by the job tests that steer a run from outside."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from libra.config import ControlConfig
+from libra.control.auth import open_channel
+from libra.job.loop import GrpoJob, JobResult
+from libra.job.recorder import read_jsonl
+from libra.job.run import load_job_config
+from libra.v1 import planner_pb2_grpc
+
+LOST_OUTCOMES = {"error", "no_instance", "aborted", "running"}
+"""Trajectory outcomes that mean a trajectory was lost."""
+
+
+def model_overrides() -> list[str]:
+    """`LIBRA_JOB_TEST_MODEL` names a policy to use instead of the cached warm-started one."""
+    model = os.environ.get("LIBRA_JOB_TEST_MODEL")
+    return [f"job.model={model}"] if model else []
+
+
+def events(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def wait_for(condition: Callable[[], bool], driver: dict) -> bool:
+    """Polls `condition` until it holds (True) or the run ended (False)."""
+    while not condition():
+        if driver.get("stop"):
+            return False
+        time.sleep(0.3)
+    return True
+
+
+def planner_stub(run_dir: Path):
+    """(channel, PlannerService stub) of the run's controller, authenticated."""
+    address = (run_dir / "controller.addr").read_text().strip()
+    token = (run_dir / "token").read_text().strip()
+    channel = open_channel(address, token, ControlConfig())
+    return channel, planner_pb2_grpc.PlannerServiceStub(channel)
+
+
+def run_driven_job(
+    run_dir: Path, overrides: list[str], drive: Callable[[Path, dict], None], driver: dict
+) -> JobResult:
+    """Runs `configs/tiny_cpu.py` with `overrides` while `drive(run_dir, driver)` runs on a
+    thread; `driver["stop"]` is set when the job ends, and the thread is joined."""
+    config, job_config = load_job_config(
+        "configs/tiny_cpu.py", [f"run_dir={run_dir}", *overrides, *model_overrides()]
+    )
+    thread = threading.Thread(target=drive, args=(run_dir, driver))
+    thread.start()
+    try:
+        return GrpoJob(config, job_config).run()
+    finally:
+        driver["stop"] = True
+        thread.join()
