@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -335,7 +336,22 @@ class JobPlanning:
             self._disable(f"the launch layout is no plan the planner can hold: {e}")
             return
         self.executed_plan, self.executed_version = adoption.plan, adoption.version
+        self._price_moves_by_the_launch()
         self._mirror_events()
+
+    def _price_moves_by_the_launch(self) -> None:
+        """Until a plan's reconfiguration is measured, the apply rule prices one at the policy's
+        prior; an instance start measured at launch is a better one when it is longer (on a
+        loaded CPU host it takes a minute, far above the prior meant for accelerators)."""
+        policy, started = self.planner.policy, self.workers.instance_start_s
+        if started and max(started) > policy.reconfiguration_cost_s:
+            measured = round(max(started), 1)
+            self.planner.set_policy(dataclasses.replace(policy, reconfiguration_cost_s=measured))
+            self.recorder.event(
+                "planner_prior",
+                f"a plan's reconfiguration is priced at {measured} s until one is measured: "
+                "the launch's slowest instance took that long to start",
+            )
 
     def layout(self) -> str:
         """The plan in force, one line (the progress display)."""

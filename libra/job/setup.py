@@ -55,6 +55,8 @@ class JobWorkers:
         self._retired: list[InstanceClient] = []
         self.restarts = 0
         self.restarts_in_progress = 0
+        self.instance_start_s: list[float] = []
+        """How long each instance took to start serving (launch and restarts)."""
         """Instances the watchdog is restarting now (the planner waits for them)."""
         self._train_generation = 0
         self.train_worker_ids: list[str] = []
@@ -249,8 +251,10 @@ class JobWorkers:
         address_file = self.run_dir / f"{worker_id}.addr"
         address_file.unlink(missing_ok=True)
         argv = self.rollout_argv(tp_size, self.cluster.agent_host(placement.agent_id), address_file)
+        started = time.monotonic()
         await asyncio.to_thread(self.cluster.start_worker, worker_id, WorkerRole.ROLLOUT, placement, argv)
         address = await asyncio.to_thread(self.cluster.wait_for_file, worker_id, address_file)
+        self.instance_start_s.append(time.monotonic() - started)
         self.instances[instance_id] = (worker_id, tp_size)
         # The engine starts on the initial checkpoint; a restarted instance is brought to the
         # current version before the router sees it.

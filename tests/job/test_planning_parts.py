@@ -170,6 +170,7 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
         forget_instance=forget,
         run_dir=tmp_path,
         restarts_in_progress=0,
+        instance_start_s=[42.0, 30.0],
     )
     recorder = Recorder()
     planning = JobPlanning(workers, recorder)
@@ -198,6 +199,15 @@ async def _settle(planning: JobPlanning, step: int) -> None:
     await planning.after_step(StepTimes(step, wait_s=0.1, train_s=1.0, num_dropped_stale=0))
 
 
+def test_launch_prices_a_plan_at_its_measured_instance_start(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        assert planning.planner.policy.reconfiguration_cost_s == 42.0  # above the prior of 15 s
+        assert "planner_prior" in recorder.kinds()
+
+    asyncio.run(scenario())
+
+
 def test_launch_layout_becomes_the_current_plan(model_dir, tmp_path):
     async def scenario():
         planning, recorder = _planning(model_dir, tmp_path)
@@ -208,7 +218,7 @@ def test_launch_layout_becomes_the_current_plan(model_dir, tmp_path):
         ]
         assert (plan.training.first_device, plan.training.config.dp) == (0, 1)
         assert planning.executed_version == planning.planner.version == 1
-        assert recorder.kinds() == ["plan_applied"]  # mirrored from the controller's event log
+        assert recorder.kinds() == ["planner_prior", "plan_applied"]  # the latter mirrored from the controller
         assert planning.rollout.pool_id("rollout-tp1-d2") == 1
 
     asyncio.run(scenario())
