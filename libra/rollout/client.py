@@ -50,8 +50,115 @@ grpc.aio cancels some of them (measured: ~11 % of 2,000); the engine batches at 
 `max_num_seqs` (256 by default) anyway, so calls past the cap wait here at no cost."""
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _PendingCall:
+    __slots__ = ("segment", "done")
+
+    def __init__(self, done: asyncio.Future):
+        self.segment = Segment()
+        self.done = done
+        """Resolved when the call finishes; an exception when it fails."""
+
+
+class _GenerateStream:
+    """This client's generation calls multiplexed over one GenerateStream call (see
+    `MultiplexedGenerate` on the server): a writer task sends the calls started (and cancelled)
+    since its last write in one message, a reader task collects each call's chunks into its
+    segment and wakes its caller once, at the end. When the stream ends, for any reason, every
+    call on it fails with InstanceUnavailable carrying its tokens; the client then opens a new
+    stream for later calls."""
+
+    def __init__(self, stub: rollout_pb2_grpc.RolloutInstanceStub, metadata, address: str):
+        self.address = address
+        self._call = stub.GenerateStream(metadata=metadata)
+        self._pending: dict[str, _PendingCall] = {}
+        self._to_start: list[rollout_pb2.GenerateRequest] = []
+        self._to_cancel: list[str] = []
+        self._wake = asyncio.Event()
+        self.ended: str | None = None
+        """Why the stream ended (None while it serves)."""
+        self._reader = asyncio.create_task(self._read())
+        self._writer = asyncio.create_task(self._write())
+
+    def start(self, request: rollout_pb2.GenerateRequest) -> _PendingCall:
+        if request.request_id in self._pending:
+            raise ValueError(
+                f"instance {self.address} refused the request: request_id "
+                f"{request.request_id!r} is already live"
+            )
+        pending = self._pending[request.request_id] = _PendingCall(asyncio.get_running_loop().create_future())
+        self._to_start.append(request)
+        self._wake.set()
+        return pending
+
+    def cancel(self, request_id: str) -> None:
+        """The caller gave up the call: forget it and abort it on the instance."""
+        if self._pending.pop(request_id, None) is not None and self.ended is None:
+            self._to_cancel.append(request_id)
+            self._wake.set()
+
+    def end(self, reason: str) -> int:
+        """Ends the stream and fails every call on it; returns how many there were."""
+        if self.ended is None:
+            self.ended = reason
+            self._call.cancel()
+            self._writer.cancel()
+        calls = list(self._pending.values())
+        self._pending.clear()
+        for pending in calls:
+            if not pending.done.done():
+                pending.done.set_exception(InstanceUnavailable(f"{self.address}: {reason}", pending.segment))
+        return len(calls)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._to_start or self._to_cancel:
+                    start, cancel = self._to_start, self._to_cancel
+                    self._to_start, self._to_cancel = [], []
+                    await self._call.write(rollout_pb2.GenerateStreamRequest(generate=start, cancel=cancel))
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - a broken stream: its calls fail, later ones reopen
+            self.end(f"stream write failed: {type(e).__name__}: {e}")
+
+    async def _read(self) -> None:
+        reason = "stream ended"
+        try:
+            async for reply in self._call:
+                for event in reply.events:
+                    self._on_event(event)
+        except grpc.aio.AioRpcError as e:
+            reason = f"{e.code().name}: {e.details()}"
+        except asyncio.CancelledError:
+            reason = "stream closed"
+        except Exception as e:  # noqa: BLE001 - whatever ended the stream ends its calls
+            reason = f"stream failed: {type(e).__name__}: {e}"
+        self.end(reason)
+
+    def _on_event(self, event: rollout_pb2.GenerateStreamEvent) -> None:
+        pending = self._pending.get(event.request_id)
+        if pending is None:
+            return  # cancelled by its caller: what the instance still sent is nobody's
+        if event.error_code:
+            del self._pending[event.request_id]
+            code = _STATUS_CODES.get(event.error_code, grpc.StatusCode.UNKNOWN)
+            pending.done.set_exception(_status_error(self.address, code, event.error, pending.segment))
+            return
+        chunk = convert.chunk_from_proto(event.chunk)
+        _collect(pending.segment, chunk)
+        if chunk.finish_reason != FinishReason.NONE:
+            del self._pending[event.request_id]
+            pending.done.set_result(None)
+
+
 class InstanceClient:
-    """Create inside the event loop that uses it."""
+    """Create inside the event loop that uses it. `generate` calls travel on one long-lived
+    GenerateStream per client; `stream` (chunks as they arrive) uses a Generate call each."""
 
     def __init__(
         self,
@@ -67,6 +174,7 @@ class InstanceClient:
         self._stub = rollout_pb2_grpc.RolloutInstanceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._calls: set[grpc.aio.UnaryStreamCall] = set()
+        self._generate_stream: _GenerateStream | None = None
         self._failed: str | None = None
         """Why `fail_calls` ended this client's calls; set once, never cleared."""
 
@@ -79,7 +187,8 @@ class InstanceClient:
         calls = list(self._calls)
         for call in calls:
             call.cancel()
-        return len(calls)
+        ended = self._generate_stream.end(reason) if self._generate_stream is not None else 0
+        return len(calls) + ended
 
     def _open_generate(
         self,
@@ -115,7 +224,8 @@ class InstanceClient:
         chunk_tokens: int = 0,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
-        """The call's chunks as they arrive. gRPC errors pass through (`generate` maps them)."""
+        """The call's chunks as they arrive, on a Generate call of its own (grpc.aio.AioRpcError
+        passes through unmapped)."""
         async with self._slots:
             call = self._open_generate(request_id, prompt_token_ids, sampling, chunk_tokens, timeout_s)
             finished = False
@@ -141,33 +251,38 @@ class InstanceClient:
         timeout_s: float | None = None,
     ) -> Segment:
         """One generation call, collected. Raises InstanceUnavailable (with the tokens received so
-        far) when the instance fails or `fail_calls` ends it, ValueError when it refuses the
-        request. Reads the call directly rather than through `stream`: one async generator less
-        per call on the hot path."""
-        segment = Segment()
+        far) when the instance fails, the call times out or `fail_calls` ends it, ValueError when
+        the instance refuses the request. Cancelling the caller aborts the call on the instance."""
         async with self._slots:
-            call = self._open_generate(request_id, prompt_token_ids, sampling, chunk_tokens, timeout_s)
+            stream = self._open_stream()
+            request = rollout_pb2.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling=convert.sampling_to_proto(sampling),
+                stream_chunk_tokens=chunk_tokens,
+            )
+            pending = stream.start(request)
             try:
-                async for msg in call:
-                    _collect(segment, convert.chunk_from_proto(msg))
-            except grpc.aio.AioRpcError as e:
-                raise self._call_error(e, segment) from None
-            except asyncio.CancelledError:
-                if self._failed_by_us():
-                    raise InstanceUnavailable(f"{self.address}: {self._failed}", segment) from None
-                raise
+                if timeout_s is None:
+                    await pending.done
+                else:
+                    async with asyncio.timeout(timeout_s):
+                        await pending.done
+            except TimeoutError:
+                raise InstanceUnavailable(
+                    f"{self.address}: DEADLINE_EXCEEDED: no end after {timeout_s} s", pending.segment
+                ) from None
             finally:
-                self._calls.discard(call)
-                if not call.done():
-                    call.cancel()  # the caller was cancelled or failed: abort the request on the instance
-        if segment.finish_reason == FinishReason.NONE:
-            raise InstanceUnavailable(f"{self.address}: stream ended without a finish reason", segment)
-        return segment
+                if not pending.done.done() or pending.done.cancelled():
+                    stream.cancel(request_id)  # the caller was cancelled or timed out
+        return pending.segment
 
-    def _call_error(self, error: grpc.aio.AioRpcError, segment: Segment) -> Exception:
-        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            return ValueError(f"instance {self.address} refused the request: {error.details()}")
-        return InstanceUnavailable(f"{self.address}: {error.code().name}: {error.details()}", segment)
+    def _open_stream(self) -> _GenerateStream:
+        if self._failed is not None:
+            raise InstanceUnavailable(f"{self.address}: {self._failed}")
+        if self._generate_stream is None or self._generate_stream.ended is not None:
+            self._generate_stream = _GenerateStream(self._stub, self._metadata, self.address)
+        return self._generate_stream
 
     async def abort(self, request_ids: list[str]) -> int:
         reply = await self._stub.Abort(
@@ -222,7 +337,15 @@ class InstanceClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        if self._generate_stream is not None:
+            self._generate_stream.end("client closed")
         await self._channel.close()
+
+
+def _status_error(address: str, code: grpc.StatusCode, details: str, segment: Segment) -> Exception:
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(f"instance {address} refused the request: {details}")
+    return InstanceUnavailable(f"{address}: {code.name}: {details}", segment)
 
 
 def _collect(segment: Segment, chunk: Chunk) -> None:

@@ -61,20 +61,48 @@ def configure_vllm_env(config: InstanceConfig) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-class _StatsLogger:
+def engine_args(config: InstanceConfig):
+    """The `AsyncEngineArgs` an instance runs `config` with (also what the rollout benchmark's
+    direct side runs: vLLM's defaults differ, e.g. max_num_seqs 128 instead of our 256)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=config.model,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        tensor_parallel_size=config.tensor_parallel_size,
+        max_num_seqs=config.max_num_seqs,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
+        disable_log_stats=False,
+        worker_extension_cls=WORKER_EXTENSION,
+        # The logprobs of the distribution each token was sampled from (after temperature),
+        # not of the raw logits: RL's importance ratios need the behaviour policy.
+        logprobs_mode="processed_logprobs",
+    )
+
+
+class EngineStatsLogger:
     """A vLLM stat logger that remembers the scheduler's last KV-cache usage and counts the tokens
     each engine step generates (per step, not per output: FINAL_ONLY requests report their tokens
-    only at the end, and Stats must see generation progress while they run)."""
+    only at the end, and Stats must see generation progress while they run), and the steps and
+    prefilled prompt tokens (how full each step's batch was; the rollout benchmark compares them
+    with direct vLLM's)."""
 
     def __init__(self, stats_window_s: float):
         self.kv_cache_usage = 0.0
         self.num_generated = 0
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
         self.recent: collections.deque[tuple[float, int]] = collections.deque()
         self._window_s = stats_window_s
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
             self.kv_cache_usage = scheduler_stats.kv_cache_usage
+        if iteration_stats is not None:
+            self.num_steps += 1
+            self.num_prompt_tokens += iteration_stats.prompt_token_stats.computed
         if iteration_stats is not None and iteration_stats.num_generation_tokens:
             now = time.monotonic()
             self.num_generated += iteration_stats.num_generation_tokens
@@ -92,7 +120,7 @@ class _StatsLogger:
         pass
 
 
-def _keep_only(engine: AsyncLLM, ours: _StatsLogger) -> None:
+def keep_only_stat_logger(engine: AsyncLLM, ours: EngineStatsLogger) -> None:
     """Drops the stat loggers vLLM adds beside ours (its console logger and Prometheus metrics):
     an instance reports through Stats, nobody scrapes it, and Prometheus' per-step histograms took
     ~0.8 ms of the frontend's CPU per engine step (cProfile of the rollout benchmark: 0.49 s over
@@ -107,10 +135,11 @@ def _keep_only(engine: AsyncLLM, ours: _StatsLogger) -> None:
 
 
 class _Request:
-    __slots__ = ("preempted",)
+    __slots__ = ("preempted", "abort_requested")
 
     def __init__(self) -> None:
         self.preempted = False
+        self.abort_requested = False
 
 
 class InstanceEngine:
@@ -123,32 +152,19 @@ class InstanceEngine:
         self.weight_version = 0
         self.paused = False
         self._engine: AsyncLLM | None = None
-        self._stats_logger = _StatsLogger(config.stats_window_s)
+        self._stats_logger = EngineStatsLogger(config.stats_window_s)
         self._requests: dict[str, _Request] = {}
         self._started_at = time.monotonic()
         self._load_lock = asyncio.Lock()
 
     def start(self) -> InstanceEngine:
         configure_vllm_env(self.config)
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=self.config.model,
-            dtype=self.config.dtype,
-            max_model_len=self.config.max_model_len,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            max_num_seqs=self.config.max_num_seqs,
-            enforce_eager=self.config.enforce_eager,
-            seed=self.config.seed,
-            disable_log_stats=False,
-            worker_extension_cls=WORKER_EXTENSION,
-            # The logprobs of the distribution each token was sampled from (after temperature),
-            # not of the raw logits: RL's importance ratios need the behaviour policy.
-            logprobs_mode="processed_logprobs",
+        self._engine = AsyncLLM.from_engine_args(
+            engine_args(self.config), stat_loggers=[lambda *a, **k: self._stats_logger]
         )
-        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[lambda *a, **k: self._stats_logger])
-        _keep_only(self._engine, self._stats_logger)
+        keep_only_stat_logger(self._engine, self._stats_logger)
         self._started_at = time.monotonic()
         return self
 
@@ -196,8 +212,17 @@ class InstanceEngine:
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
         )
         state = self._requests[request_id] = _Request()
-        outputs = self._engine.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id)
         try:
+            # vLLM's add_request processes the input (in a thread) before it knows the id: an
+            # abort (or a Pause in ABORT mode) landing meanwhile finds nothing to abort, and the
+            # request would then wait in a paused engine forever. Repeat such an abort once
+            # vLLM holds the request.
+            queue = await self._engine.add_request(
+                request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params
+            )
+            if state.abort_requested:
+                await self._engine.abort(queue.request_id, internal=True)
+            outputs = self._outputs(queue)
             stream = (
                 self._final_chunks(outputs, state)
                 if final_only
@@ -207,6 +232,20 @@ class InstanceEngine:
                 yield chunk
         finally:
             del self._requests[request_id]
+
+    async def _outputs(self, queue) -> AsyncIterator:
+        """The request's outputs from vLLM's per-request queue, read as `AsyncLLM.generate` reads
+        them (until the finished one); a reader that goes away early aborts the request."""
+        finished = False
+        try:
+            while not finished:
+                output = queue.get_nowait() or await queue.get()
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                await self._engine.abort(queue.request_id, internal=True)
+            raise
 
     async def _final_chunks(self, outputs, state: _Request) -> AsyncIterator[Chunk]:
         """FINAL_ONLY: one output at the end (or at an abort) with all tokens, split into chunks by
@@ -265,6 +304,8 @@ class InstanceEngine:
 
     async def abort(self, request_ids: list[str]) -> int:
         live = [r for r in request_ids if r in self._requests]
+        for request_id in live:
+            self._requests[request_id].abort_requested = True
         if live:
             await self._engine.abort(live)
         return len(live)
@@ -348,6 +389,8 @@ class InstanceEngine:
             max_model_len=self.config.max_model_len,
             tensor_parallel_size=self.config.tensor_parallel_size,
             model=self.config.model,
+            num_engine_steps=self._stats_logger.num_steps,
+            num_prompt_tokens=self._stats_logger.num_prompt_tokens,
         )
 
 

@@ -84,3 +84,7 @@ class InstanceStats:
     max_model_len: int
     tensor_parallel_size: int
     model: str
+    num_engine_steps: int = 0
+    """Engine steps that produced output since start."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens those steps computed (prefill; prefix-cache hits excluded)."""

@@ -218,7 +218,7 @@ def test_launch_layout_becomes_the_current_plan(model_dir, tmp_path):
         ]
         assert (plan.training.first_device, plan.training.config.dp) == (0, 1)
         assert planning.executed_version == planning.planner.version == 1
-        assert recorder.kinds() == ["planner_prior", "plan_applied"]  # the latter mirrored from the controller
+        assert recorder.kinds() == ["planner_prior", "plan_applied"]  # plan_applied: the controller
         assert planning.rollout.pool_id("rollout-tp1-d2") == 1
 
     asyncio.run(scenario())

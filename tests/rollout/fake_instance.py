@@ -1,5 +1,6 @@
 """Fake rollout instances for agent-loop tests that need no engine: gRPC servers (in the test's
-event loop) that answer `Generate` from a script, so that every path is deterministic."""
+event loop) that answer `Generate` from a script, so that every path is deterministic. They serve
+`GenerateStream` (the client's `generate`) through the server's `MultiplexedGenerate`."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from collections.abc import Sequence
 
 from libra.config import ControlConfig
 from libra.control.aio_server import start_aio_server
+from libra.rollout.instance_server import MultiplexedGenerate
 from libra.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.rollout.conftest import TOKEN
 
 
-class ScriptedInstance(rollout_pb2_grpc.RolloutInstanceServicer):
+class ScriptedInstance(MultiplexedGenerate, rollout_pb2_grpc.RolloutInstanceServicer):
     """Plays model turn k (k = the number of `</tool_call>` tokens already in the context, so
     turn k follows the k-th tool result) like an engine with a context window of
     `engine_max_model_len` tokens: it emits the turn's tokens until the turn ends (STOP on its
@@ -55,7 +57,7 @@ class ScriptedInstance(rollout_pb2_grpc.RolloutInstanceServicer):
         )
 
 
-class HangingInstance(rollout_pb2_grpc.RolloutInstanceServicer):
+class HangingInstance(MultiplexedGenerate, rollout_pb2_grpc.RolloutInstanceServicer):
     """Streams `tokens` one per chunk, then hangs with the connection open (an instance whose
     process is gone from the control plane's view, but whose socket does not fail). Counts the
     calls the client cancelled."""

@@ -66,13 +66,21 @@ def test_greedy_equals_transformers_token_for_token(instances, model_dirs, token
     async def generate_all():
         client = InstanceClient(instances[0].address, TOKEN)
         try:  # concurrently, so the engine batches them as in rollout
-            return await asyncio.gather(
+            before = await client.stats()
+            segments = await asyncio.gather(
                 *(client.generate(f"greedy-{i}", p, sampling, chunk_tokens=7) for i, p in enumerate(prompts))
             )
+            return segments, before, await client.stats()
         finally:
             await client.close()
 
-    segments = run(generate_all())
+    segments, before, after = run(generate_all())
+    # Stats count the engine's steps and the prompt tokens it computed (not those the prefix
+    # cache held; vLLM always computes a prompt's last token).
+    lengths = [len(s.token_ids) for s in segments]
+    assert after.num_generated_tokens - before.num_generated_tokens == sum(lengths)
+    assert max(lengths) <= after.num_engine_steps - before.num_engine_steps <= sum(lengths) + len(prompts)
+    assert len(prompts) <= after.num_prompt_tokens - before.num_prompt_tokens <= sum(map(len, prompts))
     reference = _hf_greedy(model_dirs.scripted, prompts, 48, eos)
     for segment, (tokens, logprobs) in zip(segments, reference, strict=True):
         assert segment.token_ids == tokens

@@ -8,6 +8,7 @@ import asyncio
 
 from libra.config import ControlConfig
 from libra.control.aio_server import start_aio_server
+from libra.rollout.instance_server import MultiplexedGenerate
 from libra.scheduler import LeastLoadRouter
 from libra.trajectory import Outcome
 from libra.v1 import rollout_pb2, rollout_pb2_grpc
@@ -17,7 +18,7 @@ from tests.rollout.helpers import PlannedRouter, check_continuity, make_loop, ma
 DYING_TOKENS = [300, 301, 302]
 
 
-class FakeInstance(rollout_pb2_grpc.RolloutInstanceServicer):
+class FakeInstance(MultiplexedGenerate, rollout_pb2_grpc.RolloutInstanceServicer):
     """Streams `tokens` in one chunk each; with `finish_with` set, ends with that token (STOP),
     otherwise hangs after them, as an instance does that is about to die mid-generation."""
 
@@ -131,7 +132,7 @@ def test_with_no_instance_left_the_trajectory_ends_no_instance(tokenizer):
     assert trajectory.response_token_ids == DYING_TOKENS  # what it had is kept for a later resume
 
 
-class ToolCallingFake(rollout_pb2_grpc.RolloutInstanceServicer):
+class ToolCallingFake(MultiplexedGenerate, rollout_pb2_grpc.RolloutInstanceServicer):
     """Answers a context without a tool result with a calculator call, otherwise with EOS."""
 
     def __init__(self, call_ids: list[int], tool_call_end_id: int, eos_id: int):
