@@ -188,8 +188,9 @@ class StepCalibration:
         self._min_steps = min_steps
         self.scales = StageScales()
         self._rollout_measured = False
-        self._plan_fit: StageScales | None = None
-        self._past_fits: deque[StageScales] = deque(maxlen=window)
+        self._plan_fit: tuple[float | None, float | None] | None = None
+        """The (train, rollout) scales fitted under the running plan; None where a stage was not."""
+        self._past_fits: deque[tuple[float | None, float | None]] = deque(maxlen=window)
 
     @property
     def num_steps(self) -> int:
@@ -209,13 +210,15 @@ class StepCalibration:
     @property
     def spread(self) -> float:
         """How far the scales fitted under the recent plans lie apart (max / min - 1, the larger
-        of the two stages); 0 while only one plan was measured."""
+        of the two stages; a stage counts only where it was fitted, not carried over); 0 until
+        a stage was fitted under two plans."""
         fits = [*self._past_fits, *([self._plan_fit] if self._plan_fit else [])]
-        if len(fits) < 2:
-            return 0.0
-        return max(
-            max(values) / min(values) - 1 for values in ([f.train for f in fits], [f.rollout for f in fits])
-        )
+        spreads = [0.0]
+        for stage in (0, 1):
+            values = [f[stage] for f in fits if f[stage] is not None]
+            if len(values) >= 2:
+                spreads.append(max(values) / min(values) - 1)
+        return max(spreads)
 
     def update(self, price_at: PriceAt) -> StageScales:
         """The scales after fitting the running plan's predictions (`price_at`) to the recorded
@@ -228,25 +231,29 @@ class StepCalibration:
             statistics.median(t for t, _ in self._steps),
             statistics.median(bound if measured else [r for _, r in self._steps]),
         )
-        train, rollout = _fit(price_at, targets, (self.scales.train, self.scales.rollout))
-        if measured:
+        (train, rollout), (train_fitted, rollout_fitted) = _fit(
+            price_at, targets, (self.scales.train, self.scales.rollout)
+        )
+        if measured and rollout_fitted:
             self._rollout_measured = True
-        else:  # `rollout` is the largest scale the bound allows
+        elif not measured:  # `rollout` is the largest scale the bound allows
             rollout = min(self.scales.rollout if self._rollout_measured else train, rollout)
-        self.scales = self._plan_fit = StageScales(train, rollout)
+        self.scales = StageScales(train, rollout)
+        self._plan_fit = (train if train_fitted else None, rollout if measured and rollout_fitted else None)
         return self.scales
 
 
 def _fit(
     price_at: PriceAt, targets: tuple[float, float], fallback: tuple[float, float]
-) -> tuple[float, float]:
+) -> tuple[tuple[float, float], tuple[bool, bool]]:
     """Per stage, the scale whose prediction meets the target (secant steps from scale 1). A
     stage keeps its fallback when the model cannot price it (0 or inf), when no scale meets the
     target (the parts no factor scales alone exceed the measurement: in an asynchronous loop a
     step can take less than the slowest trajectory plus its tool time), or when at the solution
     less than `MIN_SCALABLE_SHARE` of the prediction scales (a fixed part, the slowest
     trajectory's latency say, bounds it): then the measurement says little about the factors,
-    and a scale fitted to it would call that stage nearly free or very slow."""
+    and a scale fitted to it would call that stage nearly free or very slow. Returns the scales
+    and which stages were fitted."""
     x0, y0 = (1.0, 1.0), price_at(StageScales(1.0, 1.0))
     priceable = [0 < y < math.inf for y in y0]
     x1 = tuple(
@@ -273,7 +280,8 @@ def _fit(
     if any(met):  # how much of each prediction its scale moves: y(x) - y(x/2) is half of it
         half = price_at(StageScales(*(x / 2 for x in x1)))
         met = [m and 2 * (y - h) >= MIN_SCALABLE_SHARE * y for m, y, h in zip(met, y1, half, strict=True)]
-    return tuple(x if m else f for x, m, f in zip(x1, met, fallback, strict=True))
+    scales = tuple(x if m else f for x, m, f in zip(x1, met, fallback, strict=True))
+    return scales, tuple(met)
 
 
 def _clamp(scale: float) -> float:

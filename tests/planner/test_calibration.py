@@ -151,6 +151,22 @@ def test_a_step_training_bounds_only_caps_the_rollout_scale():
     assert calibration.update(_price_at).rollout == pytest.approx((train - 0.5) / 3.0, rel=0.01)
 
 
+def test_spread_counts_only_the_stages_fitted_under_each_plan():
+    """Rollout bound no step under the first plan (its scale was carried over from training's),
+    so only training's fits, 1.5 and 1.8, are compared: 20 % apart, whatever rollout's 6.0."""
+    calibration = StepCalibration(min_steps=1)
+    train, _ = _price_at(StageScales(1.5, 1.0))
+    calibration.record(train, train)
+    calibration.update(_price_at)
+    assert calibration.spread == 0.0
+    calibration.restart()
+    train, rollout = _price_at(StageScales(1.8, 6.0))
+    calibration.record(train, rollout)
+    scales = calibration.update(_price_at)
+    assert scales.rollout == pytest.approx(6.0, rel=0.01)
+    assert calibration.spread == pytest.approx(0.2, rel=0.02)
+
+
 def test_scaled_factors_scale_every_prediction_but_the_latency_floor():
     breakdown = TimeBreakdown(
         compute_s=1.0, memory_s=2.0, communication_s=0.5, overhead_steps=3, latency_s=0.1

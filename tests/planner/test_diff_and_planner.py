@@ -197,7 +197,7 @@ def test_a_gain_within_the_calibrations_spread_across_plans_is_no_gain():
     for step in range(3, 6):
         assert planner.observe(StepObservation(step, *_measured(problem, poor, 1.5))) is None
     assert events[-1].kind == "rejected" and "apart across plans" in events[-1].message
-    assert "below min_gain_ratio 50" in events[-1].message
+    assert "below min_gain_ratio" in events[-1].message and "fits 50% apart" in events[-1].message
 
 
 def test_external_controller_vetoes_accepts_and_proposes():
