@@ -37,10 +37,11 @@ pytestmark = pytest.mark.multiprocess
 
 NUM_STEPS = 56
 BATCH = 8
+GROUP = 4
 OVERRIDES = [
     f"job.num_steps={NUM_STEPS}",
     "job.prompts_per_step=2",
-    "job.group_size=4",
+    f"job.group_size={GROUP}",
     f"training.train_batch_size={BATCH}",
     "job.checkpoint_interval=0",
     "job.live_progress=false",
@@ -139,7 +140,9 @@ def test_training_continued_with_no_step_lost_or_shortened(run_dir, driver):
     assert [s["step"] for s in steps] == list(range(1, NUM_STEPS + 1))
     # Every step trained on a full batch, also the ones the hybrid was ACTIVE in and died in
     # (stale drops are replaced by fresh groups before a step).
-    assert all(s["num_trajectories"] == BATCH for s in steps), [s["num_trajectories"] for s in steps]
+    # (A group partly dropped as stale can make a batch overshoot by less than a group; never short.)
+    sizes = [s["num_trajectories"] for s in steps]
+    assert all(BATCH <= n < BATCH + GROUP for n in sizes), sizes
     assert all(s["loss"] == s["loss"] and abs(s["loss"]) < 1e3 for s in steps)  # finite
     samples = read_jsonl(run_dir / "samples.jsonl")
     assert not [s for s in samples if s["outcome"] in LOST_OUTCOMES], "trajectories were lost"

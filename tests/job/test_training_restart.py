@@ -24,7 +24,7 @@ from tests.job.driven_job import LOST_OUTCOMES, events, planner_stub, run_driven
 
 pytestmark = pytest.mark.multiprocess
 
-NUM_STEPS = 12
+NUM_STEPS = 14
 BATCH = 8
 RESTART_AFTER_STEP = 2
 OVERRIDES = [
@@ -37,6 +37,9 @@ OVERRIDES = [
     "job.live_progress=false",
     "planner.policy.auto_apply=false",
     "planner.execution.drain_timeout_s=10",
+    # On-policy: every batch is sampled wholly under the version it trains, so every step's
+    # logprob gap is measured, the first one after the restart included.
+    "training.max_staleness=0",
 ]
 
 
@@ -108,19 +111,20 @@ def test_plan_restarts_training_in_the_new_layout(run_dir, driver):
 def test_no_step_or_trajectory_lost_and_the_weights_survived_the_reshard(run_dir):
     steps = read_jsonl(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, NUM_STEPS + 1))
-    assert all(s["num_trajectories"] == BATCH for s in steps)
+    assert all(BATCH <= s["num_trajectories"] < BATCH + 4 for s in steps)  # (see test_planner_in_job)
     samples = read_jsonl(run_dir / "samples.jsonl")
     assert not [s for s in samples if s["outcome"] in LOST_OUTCOMES], "trajectories were lost"
     assert all(s["loss"] == s["loss"] for s in steps)
 
 
 def test_restarted_ranks_score_tokens_as_the_old_rank_sampled_them(run_dir, driver):
-    """The first steps after the restart score trajectories sampled under the version the old
-    TP-1 rank published, with the TP-2 ranks' resharded copy of it: the gap is float rounding
-    only if the checkpoint carried the same weights across the reshard."""
+    """The steps after the restart score trajectories sampled under the version being trained:
+    the first under the version the old TP-1 rank published, with the TP-2 ranks' resharded copy
+    of it, later ones under what the TP-2 ranks published themselves. The gap is float rounding
+    only if the weights the new ranks hold are the weights rollout sampled with."""
     version = driver["restart"].plan.version
     done = next(e for e in events(run_dir) if e["kind"] == "plan_executed" and e["plan_version"] == version)
-    after = [s for s in read_jsonl(run_dir / "metrics.jsonl") if s["time_s"] > done["time_s"]][:3]
+    after = [s for s in read_jsonl(run_dir / "metrics.jsonl") if s["time_s"] > done["time_s"]]
     scored = [s for s in after if s["num_current_tokens"] > 0]
-    assert scored, after
+    assert scored and scored[0]["step"] == after[0]["step"], after
     assert max(s["logprob_max_abs_diff"] for s in scored) < 1e-3, scored
