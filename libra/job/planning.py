@@ -21,17 +21,18 @@ publishes plan events); the job feeds it and executes what it adopts:
 Every plan event (adopted, proposed, rejected, vetoed, each executed action) is mirrored from the
 controller's event log into the run's `events.jsonl`, where the report shows them.
 
-Training grows and shrinks through the elastic hybrid pool: when the core is one rank (TP = PP =
-DP = 1) it hosts the pool's lane, a plan's JoinHybridReplica starts a hybrid replica through the
-node agent on the devices rollout gave up (the core rank's RequestJoin / RequestRelease RPCs), and
-the job follows the lane's state each step (`hybrid_*` events); a replica that rolled back (its
-process died, a timeout) is retired and the planner reconciled, while the core keeps training.
+Training grows and shrinks through the elastic hybrid pool: when the core's ranks are TP = PP = 1
+each of its D ranks hosts a lane of the pool (hybrid replica D + r pairs with core rank r, so up
+to D hybrids), a plan's JoinHybridReplica starts a hybrid replica through the node agent on the
+devices rollout gave up (its core rank's RequestJoin / RequestRelease RPCs), and the job follows
+every lane's state each step (`hybrid_*` events); a replica that rolled back (its process died, a
+timeout) is retired and the planner reconciled, while the core keeps training.
 
 Node loss: an instance whose node agent was lost is not restarted; the plan loses it, the planner
 is reconciled, and plans that would start a worker on a lost agent's devices are refused.
 
 What the job cannot carry out is refused before anything runs, and the planner reconciled to the
-running layout: hybrid moves when the core is larger than one rank.
+running layout: hybrid moves when the core has TP or PP > 1, or more hybrids than core ranks.
 """
 
 from __future__ import annotations
@@ -52,7 +53,14 @@ from libra.control.types import EventKind
 from libra.job.config import JobConfig
 from libra.job.training_restart import JobTrainingRestart
 from libra.planner.actions import ActionExecutor, ExecutionReport, describe_action
-from libra.planner.config import ClusterSpec, ModelArch, PlanningProblem, RequestRecord, TrainingBatch
+from libra.planner.config import (
+    ClusterSpec,
+    HybridPoolLimits,
+    ModelArch,
+    PlanningProblem,
+    RequestRecord,
+    TrainingBatch,
+)
 from libra.planner.controls import HybridJoin, LaunchSpec
 from libra.planner.device_map import DeviceMap
 from libra.planner.diff import (
@@ -139,7 +147,8 @@ def planning_problem(config: LibraConfig, job: JobConfig, model_dir: Path) -> Pl
             max_staleness=config.training.max_staleness,
         ),
         history=(RequestRecord(turn, turn),),
-        config=config.planner,
+        # What `libra.training.hybrid` pairs: training grows past it by a restart.
+        config=dataclasses.replace(config.planner, hybrid_pool=HybridPoolLimits(1, 1)),
     )
 
 
@@ -201,49 +210,68 @@ class JobLauncher:
 
 
 class NoHybridLane:
-    """`HybridControl` of a core larger than one rank, which hosts no hybrid lane: plans that
+    """`HybridControl` of a core whose ranks host no hybrid lane (TP or PP > 1): plans that
     move hybrid replicas are refused before execution, so reaching any method is a bug."""
 
     def _refuse(self, *args, **kwargs):
-        raise RuntimeError("the core training layout hosts no hybrid lane (it is more than one rank)")
+        raise RuntimeError("the core training layout hosts no hybrid lane (its ranks are TP or PP > 1)")
 
     request_join = cancel_join = request_release = _refuse
 
 
 class RankHybridControl:
-    """`HybridControl` over the core train rank's RPCs (RequestJoin, CancelJoin, RequestRelease),
-    plus the lane's state for the job to follow."""
+    """`HybridControl` over the core train ranks' RPCs (RequestJoin, CancelJoin, RequestRelease):
+    hybrid replica D + r goes to core rank r's lane; plus the lanes' states for the job to
+    follow."""
 
-    def __init__(self, address: str, token: str, control):
+    def __init__(self, addresses: list[str], token: str, control):
         from libra.control.auth import open_channel
         from libra.v1 import training_pb2, training_pb2_grpc
 
         self._pb = training_pb2
-        self._channel = open_channel(address, token, control)
-        self._stub = training_pb2_grpc.TrainRankStub(self._channel)
+        self._channels = [open_channel(address, token, control) for address in addresses]
+        self._stubs = [training_pb2_grpc.TrainRankStub(channel) for channel in self._channels]
+
+    def hosts(self, replica: int) -> bool:
+        return 0 <= replica - len(self._stubs) < len(self._stubs)
+
+    def _lane(self, replica: int):
+        if not self.hosts(replica):
+            n = len(self._stubs)
+            raise RuntimeError(
+                f"no core rank pairs with hybrid replica {replica}: a core of {n} ranks takes "
+                f"replicas {n} to {2 * n - 1}"
+            )
+        return self._stubs[replica - len(self._stubs)]
 
     def request_join(self, replica: int) -> HybridJoin:
-        reply = self._stub.RequestJoin(self._pb.RequestJoinRequest(replica=replica), timeout=600)
+        reply = self._lane(replica).RequestJoin(self._pb.RequestJoinRequest(replica=replica), timeout=600)
         return HybridJoin(reply.generation, reply.lane_address)
 
     def cancel_join(self, replica: int, generation: int, reason: str) -> None:
         request = self._pb.CancelJoinRequest(replica=replica, generation=generation, reason=reason)
-        self._stub.CancelJoin(request, timeout=600)
+        self._lane(replica).CancelJoin(request, timeout=600)
 
     def request_release(self, replica: int) -> None:
-        self._stub.RequestRelease(self._pb.RequestReleaseRequest(replica=replica), timeout=600)
+        self._lane(replica).RequestRelease(self._pb.RequestReleaseRequest(replica=replica), timeout=600)
 
-    def state(self):
-        """The lane's HybridStateReply (replica, generation, state name, counters)."""
-        return self._stub.GetHybridState(self._pb.GetHybridStateRequest(), timeout=60)
+    def states(self) -> list:
+        """Every lane's HybridStateReply (replica, generation, state name, counters), by rank."""
+        return [stub.GetHybridState(self._pb.GetHybridStateRequest(), timeout=60) for stub in self._stubs]
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
 
-def unsupported(actions: list[Action], hybrids: bool) -> list[Action]:
-    """The actions the job cannot carry out: hybrid moves without a lane."""
-    return [] if hybrids else [a for a in actions if isinstance(a, JoinHybridReplica | ReleaseHybridReplica)]
+def unsupported(actions: list[Action], hybrids: RankHybridControl | None) -> list[Action]:
+    """The actions the job cannot carry out: hybrid moves that no core rank's lane takes."""
+    return [
+        a
+        for a in actions
+        if isinstance(a, JoinHybridReplica | ReleaseHybridReplica)
+        and (hybrids is None or not hybrids.hosts(a.replica))
+    ]
 
 
 # -- the planner in the loop -------------------------------------------------------------------
@@ -284,8 +312,8 @@ class JobPlanning:
         self.hybrids: RankHybridControl | None = None
         self._pending_reconcile = ""
         """Why the planner must be reconciled at the next step boundary ("" : no need)."""
-        self._lane_seen: tuple[int, str] = (0, "")
-        """(generation, state) of the lane as last recorded."""
+        self._lane_seen: dict[int, tuple[int, str]] = {}
+        """Core rank -> (generation, state) of its lane as last recorded."""
         self.executor = ActionExecutor(
             self._client,
             self.rollout,
@@ -298,12 +326,13 @@ class JobPlanning:
         self._bind_lane()
 
     def _bind_lane(self) -> None:
-        """The hybrid control of the core that runs now: its rank's lane when it is one rank."""
+        """The hybrid control of the core that runs now: its ranks' lanes when it hosts them."""
         if self.hybrids is not None:
             self.hybrids.close()
         workers = self.workers
+        self._lane_seen = {}
         self.hybrids = (
-            RankHybridControl(workers.train_addresses[0], workers.token, workers.config.control)
+            RankHybridControl(workers.train_addresses, workers.token, workers.config.control)
             if getattr(workers, "hosts_hybrid_lane", False)
             else None
         )
@@ -448,8 +477,13 @@ class JobPlanning:
         plan, version = self.planner.current, self.planner.version
         if version == self.executed_version or plan is None:
             return
-        _, actions = diff_plans(self.executed_plan, plan, cut_inflight=self.planner.policy.cut_inflight)
-        refused = unsupported(actions, hybrids=self.hybrids is not None)
+        _, actions = diff_plans(
+            self.executed_plan,
+            plan,
+            cut_inflight=self.planner.policy.cut_inflight,
+            pool=self.workers.planning_problem.config.hybrid_pool,
+        )
+        refused = unsupported(actions, self.hybrids)
         devices = DeviceMap.from_cluster_state(self.workers.cluster.controller.cluster.snapshot())
         dead = [a for a in actions if any(not devices.usable(d) for d in _devices_started(a))]
         if dead:
@@ -531,18 +565,22 @@ class JobPlanning:
         self._mirror_events()
 
     async def _follow_lane(self) -> None:
-        """Records the hybrid replica's protocol state as it changes; one that rolled back
+        """Records each hybrid replica's protocol state as it changes; one that rolled back
         (its rank failed, timed out or was cancelled) is retired: its worker stopped, the
-        planner's plan reconciled (the core kept training and filled its share in)."""
+        planner's plan reconciled (its core rank kept training and filled its share in)."""
         if self.hybrids is None or not self.executor.running_hybrids():
             return
         try:
-            lane = await asyncio.to_thread(self.hybrids.state)
-        except Exception as e:  # noqa: BLE001 - the core rank busy or gone: look again next step
+            lanes = await asyncio.to_thread(self.hybrids.states)
+        except Exception as e:  # noqa: BLE001 - a core rank busy or gone: look again next step
             logger.warning("hybrid lane state unavailable: %s", e)
             return
-        if (lane.generation, lane.state) != self._lane_seen:
-            self._lane_seen = (lane.generation, lane.state)
+        for rank, lane in enumerate(lanes):
+            await self._follow(rank, lane)
+
+    async def _follow(self, rank: int, lane) -> None:
+        if (lane.generation, lane.state) != self._lane_seen.get(rank, (0, "")):
+            self._lane_seen[rank] = (lane.generation, lane.state)
             self.recorder.event(
                 f"hybrid_{lane.state.lower()}",
                 f"hybrid replica {lane.replica} (generation {lane.generation}) is {lane.state}",

@@ -167,9 +167,10 @@ class JobWorkers:
 
     @property
     def hosts_hybrid_lane(self) -> bool:
-        """The train rank hosts the elastic hybrid pool's lane: the planner runs and the core is
-        one rank (TP = PP = DP = 1, what `libra.training.hybrid` supports)."""
-        return self.job.planner and self.config.training.world_size == 1
+        """Every train rank hosts a lane of the elastic hybrid pool: the planner runs and the
+        core's ranks are TP = PP = 1 (what `libra.training.hybrid` supports)."""
+        training = self.config.training
+        return self.job.planner and training.tensor_parallel == training.pipeline_parallel == 1
 
     def _planning_problem(self):
         """The planner's problem for the controller to serve (None: `job.planner` is off)."""

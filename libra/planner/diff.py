@@ -2,8 +2,9 @@
 controller executes on node agents (in order).
 
 Training grows or shrinks by whole DP replicas through the elastic hybrid pool when its shape
-(TP, PP, micro-batch) is unchanged and the core replicas stay: new replicas join as hybrid
-(the core process groups are not rebuilt), and only hybrid replicas may leave. Any other change
+(TP, PP, micro-batch) is unchanged, the core replicas stay and the pool can pair the hybrids
+(`HybridPoolLimits`): new replicas join as hybrid (the core process groups are not rebuilt), and
+only hybrid replicas may leave. Any other change
 of the training layout restarts training from its latest checkpoint. Rollout instances are
 matched by (TP, devices): unchanged ones keep running; the others are stopped -- draining their
 in-flight trajectories, or cutting them (they resume elsewhere from their kept tokens) -- before
@@ -16,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from libra.planner.config import HybridPoolLimits
 from libra.planner.plan import Plan, RolloutInstance
+
+UNBOUNDED_POOL = HybridPoolLimits()
 
 
 @dataclass(frozen=True)
@@ -74,35 +78,40 @@ Action = (
 )
 
 
-def mark_hybrid(old: Plan | None, new: Plan) -> Plan:
+def mark_hybrid(old: Plan | None, new: Plan, pool: HybridPoolLimits = UNBOUNDED_POOL) -> Plan:
     """`new` with its hybrid replicas set relative to `old` (see the module docstring)."""
-    if old is None or not _elastic_compatible(old, new):
+    if old is None or not _elastic_compatible(old, new, pool):
         return dataclasses.replace(new, training=dataclasses.replace(new.training, hybrid_replicas=()))
     core = len(old.training.core_replicas)
     hybrid = tuple(range(core, new.training.config.dp))
     return dataclasses.replace(new, training=dataclasses.replace(new.training, hybrid_replicas=hybrid))
 
 
-def _elastic_compatible(old: Plan, new: Plan) -> bool:
+def _elastic_compatible(old: Plan, new: Plan, pool: HybridPoolLimits) -> bool:
     a, b = old.training, new.training
+    core = len(a.core_replicas)
     return (
         (a.config.tp, a.config.pp, a.config.micro_batch, a.first_device)
         == (b.config.tp, b.config.pp, b.config.micro_batch, b.first_device)
-        and b.config.dp >= len(a.core_replicas)
-        and a.core_replicas == tuple(range(len(a.core_replicas)))
+        and b.config.dp >= core
+        and a.core_replicas == tuple(range(core))
+        and pool.allows(core, a.config.tp * a.config.pp, b.config.dp - core)
     )
 
 
-def diff_plans(old: Plan | None, new: Plan, cut_inflight: bool = False) -> tuple[Plan, list[Action]]:
-    """The new plan (hybrid replicas marked) and the actions that turn `old` into it."""
-    new = mark_hybrid(old, new)
+def diff_plans(
+    old: Plan | None, new: Plan, cut_inflight: bool = False, pool: HybridPoolLimits = UNBOUNDED_POOL
+) -> tuple[Plan, list[Action]]:
+    """The new plan (hybrid replicas marked) and the actions that turn `old` into it; `pool`
+    bounds what may join as hybrid replicas."""
+    new = mark_hybrid(old, new, pool)
     actions: list[Action] = []
     old_instances: dict[tuple, RolloutInstance] = (
         {} if old is None else {(i.tp, i.devices): i for i in old.instances}
     )
     new_instances = {(i.tp, i.devices): i for i in new.instances}
 
-    if old is not None and _elastic_compatible(old, new):
+    if old is not None and _elastic_compatible(old, new, pool):
         for r in range(new.training.config.dp, old.training.config.dp):
             actions.append(ReleaseHybridReplica(r, old.training.replica_devices(r)))
         restart = False

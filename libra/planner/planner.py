@@ -142,7 +142,7 @@ class Planner:
             return self._adopt(search(self._problem, *self._calibrated()), f"initial plan ({reason.value})")
         current_s = self._price_current()
         candidate = search(self._problem, *self._calibrated())
-        _, actions = diff_plans(self.current, candidate)
+        _, actions = diff_plans(self.current, candidate, pool=self._problem.config.hybrid_pool)
         restart = any(isinstance(a, RestartTraining) for a in actions)
         # A gain within the calibration's own spread across layouts is no evidence of one.
         policy = dataclasses.replace(
@@ -182,7 +182,9 @@ class Planner:
             self._emit("vetoed", reason or "candidate vetoed")
 
     def _adopt(self, plan: Plan, why: str) -> Adoption:
-        plan, actions = diff_plans(self.current, plan, cut_inflight=self.policy.cut_inflight)
+        plan, actions = diff_plans(
+            self.current, plan, cut_inflight=self.policy.cut_inflight, pool=self._problem.config.hybrid_pool
+        )
         self.current = plan
         self._calibration.restart()
         self.version += 1

@@ -33,13 +33,10 @@ class MicroBatch:
 
 
 def split_across_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
-    """Indices per rank, balanced by token count (ties go to the lower rank)."""
+    """Indices per rank, balanced by token count (ties go to the lower rank). With fewer items
+    than ranks (a mini-batch thinned by stale or no-variance drops) the last ranks get none."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if len(lengths) < num_ranks:
-        raise ValueError(
-            f"a batch of {len(lengths)} trajectories cannot feed {num_ranks} data-parallel ranks"
-        )
     loads = [0] * num_ranks
     shares: list[list[int]] = [[] for _ in range(num_ranks)]
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):

@@ -193,11 +193,14 @@ class TrainEngine:
             return torch.zeros(len(trajectories), width, dtype=torch.float32)
         share = self._share() if peer is not None else (self.info.dp_rank, self.info.dp_size)
         out = self._forward_share(trajectories, model, share)
+        if peer is not None:
+            # A hybrid replica's rows join its paired core rank's before the DP reduction.
+            out = peer.add_logprobs(out, lambda share: self._forward_share(trajectories, model, share))
         # Only the last stage of each DP rank wrote its share: a sum over DP and PP gathers it.
         dist.all_reduce(out, group=self._dp_group)
         dist.all_reduce(out, group=self._pp_group)
         if peer is not None:
-            out = peer.combine_logprobs(out, lambda share: self._forward_share(trajectories, model, share))
+            out = peer.logprobs_reduced(out)
         return out
 
     @torch.no_grad()
@@ -273,7 +276,7 @@ class TrainEngine:
         reduction, clipping, AdamW. Returns [loss, pg, kl, entropy, clipped, tokens] sums of the
         whole mini-batch (all ranks) and the grad norm."""
         num_tokens = sum(sum(batch[i].loss_mask) for i in indices)
-        self.optimizer.zero_grad(set_to_none=False)
+        self._zero_grads()
         if self.peer is None:
             stats = self._backward_share(batch, indices, advantages, old, ref, num_tokens, self._share())
             stats = self._reduce_grads_and_stats(stats)
@@ -294,6 +297,17 @@ class TrainEngine:
         grad_norm = self._clip_grads()
         self.optimizer.step()
         return stats, grad_norm
+
+    def _zero_grads(self) -> None:
+        """Zero gradients, allocated where none exists yet: a rank whose DP share of a mini-batch
+        is empty (fewer trajectories than shares) still takes part in the gradient reduction."""
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
 
     def _reduce_grads_and_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """The core's DP (and tied-embedding, QK-norm) gradient reduction and the stats' sum."""
@@ -379,8 +393,6 @@ class TrainEngine:
         rank, size = share or self._share()
         indices = list(indices)
         lengths = {i: len(trajectories[i].token_ids) for i in indices}
-        if len(indices) < size:
-            raise ValueError(f"a batch of {len(indices)} trajectories cannot feed {size} DP ranks")
         shares = split_across_ranks([lengths[i] for i in indices], size)
         mine = [indices[k] for k in shares[rank]]
         return make_micro_batches(mine, lengths, self.cfg.max_tokens_per_microbatch)
@@ -561,10 +573,14 @@ class GradientPeer(Protocol):
     def computes(self) -> bool:
         """False on a hybrid replica in ZERO_SYNC: it runs no forward/backward."""
 
-    def combine_logprobs(
+    def add_logprobs(
         self, out: torch.Tensor, fill_in: Callable[[tuple[int, int]], torch.Tensor]
     ) -> torch.Tensor:
-        """The full logprob table from this side's rows and the peer's."""
+        """This rank's rows plus those of the hybrid replica it pairs with, before the DP
+        reduction (`fill_in(share)` scores a share here when its replica failed)."""
+
+    def logprobs_reduced(self, out: torch.Tensor) -> torch.Tensor:
+        """The full table once the core has reduced it (a hybrid replica receives it here)."""
 
     def reduce_gradients(
         self, engine: TrainEngine, stats: torch.Tensor, fill_in: Callable[[tuple[int, int]], torch.Tensor]

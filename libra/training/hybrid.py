@@ -2,9 +2,10 @@
 (`CoreLane`), the plan executor's handle on it (`LaneControl`), and the hybrid replica's side
 (`HybridFollower`, `run_hybrid_replica`; its process: `libra.training.hybrid_worker`).
 
-The core pool is its own torch.distributed world and is never rebuilt; the hybrid replica is a
+The core pool is its own torch.distributed world and is never rebuilt; each hybrid replica is a
 separate process with its own world, connected to its paired core rank by one TCP channel
-(`grad_channel`). The protocol follows `libra.planner.elastic`:
+(`grad_channel`). Every core rank holds a lane, so a core of DP = D takes up to D hybrid replicas,
+hybrid replica D + r pairing with core DP rank r. The protocol follows `libra.planner.elastic`:
 
 - REQUESTED: the hybrid process starts (on devices taken from rollout) and says hello.
 - FETCHING_STATE: at the next step boundary the core snapshots its state (weights, AdamW state,
@@ -16,21 +17,24 @@ separate process with its own world, connected to its paired core rank by one TC
   core never waits for it (sends are queued on a sender thread).
 - ACTIVATING: on request, at a step boundary the core sends `activate` and waits (bounded) for
   the hybrid to answer; the answer comes after the hybrid has replayed every earlier step.
-- ACTIVE: the global batch is split into two DP shares, core share 0 and hybrid share 1, exactly
-  as a static DP=2 job splits it. Old logprobs: each side scores its rows and the core sums the
-  two tables and sends the sum back. Gradients: the hybrid sends its share's gradients (already
-  divided by the global token count, as every DP rank's are); the core adds them to its own before
-  its DP reduction; the reduced gradients go back; both sides clip and step identical AdamW
-  optimizers. Losses equal a static two-replica DP run.
-- Failure: a lost connection, a timeout or a dropped payload while the core waits for the
-  hybrid's rows or gradients rolls the replica back, and the core computes the hybrid's share of
-  that step itself (the fill-in rule: the share returns to the core, the step is neither lost nor
-  shortened); the rest of the step and later steps use one share.
+- ACTIVE: at each step boundary the core ranks agree (one all-reduce over the DP group) which
+  lanes have an ACTIVE replica; with k of them the global batch is split into D + k DP shares,
+  core rank r taking share r and the active hybrids shares D.., in core rank order, exactly as a
+  static DP = D + k job splits it. Old logprobs: the hybrid scores its rows, its core rank adds
+  them to its own before the DP reduction and sends the reduced table back. Gradients: the hybrid
+  sends its share's gradients (already divided by the global token count, as every DP rank's
+  are); its core rank adds them to its own before the DP all-reduce; the reduced gradients go
+  back; both sides clip and step identical AdamW optimizers. Losses equal a static DP run.
+- Failure: a lost connection, a timeout or a dropped payload while a core rank waits for its
+  hybrid's rows or gradients rolls the replica back, and that core rank computes the hybrid's
+  share itself for the rest of the step (the fill-in rule: the share returns to the core, the step
+  is neither lost nor shortened, and the other core ranks, whose shares were fixed at the
+  boundary, notice nothing); from the next boundary on the batch has one share fewer.
 - Release: ACTIVE -> RELEASING, the hybrid is told to stop, RELEASED when the channel closes.
 
-Scope: one hybrid replica per core rank, core and hybrid replicas of TP = PP = 1 and a core of
-DP = 1 (a paired lane per core rank and a core-wide agreement on failures are what larger
-layouts need; not implemented).
+Scope: core and hybrid replicas of TP = PP = 1 (a hybrid of TP or PP > 1 would pair rank by rank
+with a core replica, and a failure would need the agreement of that replica's ranks before any
+of them fills in; not implemented).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from libra.planner.controls import HybridJoin
 from libra.planner.elastic import ElasticConfig, HybridPool, PayloadHeader, ReplicaState
@@ -59,10 +64,6 @@ from libra.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from libra.training.engine import StepResult
-
-HYBRID_SHARE = (1, 2)
-CORE_SHARE = (0, 2)
-
 
 # -- training state over the channel -----------------------------------------------------------
 
@@ -94,13 +95,9 @@ def load_state(engine, state: dict) -> None:
 
 
 def _grads(engine) -> list[torch.Tensor]:
-    """Every trainable parameter's gradient, allocated if it has none yet (a replica in ZERO_SYNC
-    never runs backward)."""
-    params = [p for p in engine.model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return [p.grad for p in params]
+    """Every trainable parameter's gradient (the engine allocates them before each mini-batch,
+    also on a replica in ZERO_SYNC, which never runs backward)."""
+    return [p.grad for p in engine.model.parameters() if p.requires_grad]
 
 
 def _flat_grads(engine) -> torch.Tensor:
@@ -122,7 +119,8 @@ class LaneCounters:
     accepted_payloads: int = 0
     """Hybrid logprob tables and gradients added in."""
     filled_in_shares: int = 0
-    """Hybrid shares the core computed itself after a failure."""
+    """Hybrid payloads (a logprob table, a mini-batch's gradients) the core computed itself
+    after a failure."""
     rollbacks: list[str] = field(default_factory=list)
 
 
@@ -137,10 +135,10 @@ class CoreLane:
         clock: Callable[[], float] = time.monotonic,
         host: str = "127.0.0.1",
     ):
-        if (engine.info.tp_size, engine.info.pp_size, engine.info.dp_size) != (1, 1, 1):
+        if (engine.info.tp_size, engine.info.pp_size) != (1, 1):
             raise ValueError(
-                "the elastic hybrid pool runs with a core of TP=1 PP=1 DP=1 for now, got "
-                f"TP={engine.info.tp_size} PP={engine.info.pp_size} DP={engine.info.dp_size}"
+                "the elastic hybrid pool runs with a core of TP=1 PP=1 for now, got "
+                f"TP={engine.info.tp_size} PP={engine.info.pp_size}"
             )
         self.engine = engine
         self.pool = HybridPool(config or ElasticConfig())
@@ -155,6 +153,9 @@ class CoreLane:
         self._step = 0
         self._minibatch = 0
         self._last_meta: dict = {}
+        self._core_share = (engine.info.dp_rank, engine.info.dp_size)
+        self._hybrid_share: tuple[int, int] | None = None
+        """The share of this step that belongs to the paired hybrid replica (None: no share)."""
         engine.peer = self
 
     @property
@@ -176,6 +177,12 @@ class CoreLane:
     # -- requests (from the controller) ----------------------------------------------------------
 
     def request_join(self, replica: int) -> int:
+        slot = self.engine.info.dp_size + self.engine.info.dp_rank
+        if replica != slot:
+            raise ValueError(
+                f"core DP rank {self.engine.info.dp_rank} of {self.engine.info.dp_size} pairs with hybrid "
+                f"replica {slot}, not {replica}"
+            )
         self._generation = self.pool.request_join(replica, self.clock())
         self._replica = replica
         self._activation_requested = self._release_requested = False
@@ -200,22 +207,39 @@ class CoreLane:
     # -- the step boundary -----------------------------------------------------------------------
 
     def begin_step(self, step: int, batch: Sequence[Trajectory]) -> None:
-        """Advances the replica's protocol between two train steps, then hands the batch of
-        `step` to a registered replica. Never waits on the replica except at the activation
-        barrier (bounded by `activation_timeout_s`)."""
+        """Advances the replica's protocol between two train steps, agrees the step's DP shares
+        with the other core ranks (every core rank calls this before every train step), then
+        hands the batch of `step` to a registered replica. Never waits on the replica except at
+        the activation barrier (bounded by `activation_timeout_s`)."""
         self._step, self._minibatch = step, 0
         state = self.state()
-        if state is None or state in (ReplicaState.RELEASED, ReplicaState.ROLLED_BACK):
-            return
-        try:
-            self._advance(state)
-        except (PeerLost, TimeoutError) as e:
-            self._roll_back(f"{type(e).__name__}: {e}")
-        self._roll_back_expired()
+        if state is not None and state not in (ReplicaState.RELEASED, ReplicaState.ROLLED_BACK):
+            try:
+                self._advance(state)
+            except (PeerLost, TimeoutError) as e:
+                self._roll_back(f"{type(e).__name__}: {e}")
+            self._roll_back_expired()
+        active = self.state() is ReplicaState.ACTIVE
+        self._agree_shares(active)
         if self._channel is not None:
             meta = {"step": step, "version": self.engine.version, "epoch": self.pool.epoch}
-            meta["active"] = self.state() is ReplicaState.ACTIVE
+            meta["active"] = active
+            meta["share"] = self._hybrid_share
             self._channel.send("step", meta, object_to_bytes(list(batch)))
+
+    def _agree_shares(self, active: bool) -> None:
+        """This step's shares: core rank r takes share r; the active hybrids take shares D..,
+        in the order of their core ranks."""
+        rank, size = self.engine.info.dp_rank, self.engine.info.dp_size
+        actives = [int(active)]
+        if size > 1:
+            flags = torch.zeros(size, dtype=torch.int64)
+            flags[rank] = int(active)
+            dist.all_reduce(flags, group=self.engine._dp_group)
+            actives = flags.tolist()
+        count = size + sum(actives)
+        self._core_share = (rank, count)
+        self._hybrid_share = (size + sum(actives[:rank]), count) if active else None
 
     def _advance(self, state: ReplicaState) -> None:
         now = self.clock()
@@ -277,30 +301,28 @@ class CoreLane:
 
     # -- GradientPeer ----------------------------------------------------------------------------
 
-    def _active(self) -> bool:
-        return self.state() is ReplicaState.ACTIVE
-
     def share(self) -> tuple[int, int]:
-        return CORE_SHARE if self._active() else (0, 1)
+        return self._core_share
 
     def computes(self) -> bool:
         return True
 
-    def combine_logprobs(self, out: torch.Tensor, fill_in) -> torch.Tensor:
-        if not self._active():
+    def add_logprobs(self, out: torch.Tensor, fill_in) -> torch.Tensor:
+        if self._hybrid_share is None:
             return out
         theirs = self._receive("logprobs")
-        if theirs is None:
-            return out + fill_in(HYBRID_SHARE)
-        out = out + theirs.view_as(out)
-        self._channel.send("logprobs_sum", {}, tensor_to_bytes(out))
+        return out + (fill_in(self._hybrid_share) if theirs is None else theirs.view_as(out))
+
+    def logprobs_reduced(self, out: torch.Tensor) -> torch.Tensor:
+        if self._hybrid_share is not None and self._channel is not None:
+            self._channel.send("logprobs_sum", {}, tensor_to_bytes(out))
         return out
 
     def reduce_gradients(self, engine, stats: torch.Tensor, fill_in) -> torch.Tensor:
-        if self._active():
+        if self._hybrid_share is not None:
             theirs = self._receive("grads")
             if theirs is None:
-                stats = stats + fill_in(HYBRID_SHARE)
+                stats = stats + fill_in(self._hybrid_share)
             else:
                 # Added before the DP reduction, in the order a two-rank sum would add them.
                 for grad, part in zip(_grads(engine), _split_flat(engine, theirs), strict=True):
@@ -314,9 +336,12 @@ class CoreLane:
         return stats
 
     def _receive(self, kind: str) -> torch.Tensor | None:
-        """The hybrid's payload of `kind` for this step and mini-batch, or None after rolling the
-        replica back (lost, timed out). Stale payloads are dropped and counted, and the wait goes
-        on until the deadline."""
+        """The hybrid's payload of `kind` for this step and mini-batch, or None when the replica
+        failed (lost, timed out: rolled back now, or earlier in this step) and the core fills in.
+        Stale payloads are dropped and counted, and the wait goes on until the deadline."""
+        if self._channel is None:
+            self.counters.filled_in_shares += 1
+            return None
         deadline = self.clock() + self.pool.config.gradient_timeout_s
         try:
             while True:
@@ -366,13 +391,16 @@ class HybridFollower:
         }
 
     def share(self) -> tuple[int, int]:
-        return HYBRID_SHARE if self.step_meta.get("active") else (0, 1)
+        return tuple(self.step_meta["share"]) if self.step_meta.get("active") else (0, 1)
 
     def computes(self) -> bool:
         return bool(self.step_meta.get("active"))
 
-    def combine_logprobs(self, out: torch.Tensor, fill_in) -> torch.Tensor:
+    def add_logprobs(self, out: torch.Tensor, fill_in) -> torch.Tensor:
         self.channel.send("logprobs", self._header(minibatch=self._minibatch), tensor_to_bytes(out))
+        return out
+
+    def logprobs_reduced(self, out: torch.Tensor) -> torch.Tensor:
         return tensor_from_bytes(self._expect("logprobs_sum").body).view_as(out)
 
     def reduce_gradients(self, engine, stats: torch.Tensor, fill_in) -> torch.Tensor:

@@ -164,7 +164,7 @@ class TrainRankServicer:
     def _lane(self):
         if self.lane is None:
             raise RuntimeError(
-                "this train rank hosts no hybrid lane (start it with --elastic; a core of TP=PP=DP=1)"
+                "this train rank hosts no hybrid lane (start it with --elastic; a core of TP=PP=1)"
             )
         return self.lane
 
@@ -172,10 +172,11 @@ class TrainRankServicer:
     def RequestJoin(self, request, context):
         from libra.v1 import training_pb2
 
-        if request.replica < 1:
-            raise InvalidArgument(f"replica must be >= 1 (0 is the core), got {request.replica}")
         lane = self._lane()
-        join = lane.request_join(request.replica)
+        try:
+            join = lane.request_join(request.replica)
+        except ValueError as e:  # not this rank's hybrid slot
+            raise InvalidArgument(str(e)) from e
         # The job joins to train: the replica activates as soon as it holds the state.
         lane.lane.request_activation()
         return training_pb2.RequestJoinReply(generation=join.generation, lane_address=join.lane_address)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--elastic",
         default=None,
-        help="JSON object of ElasticConfig fields: host the elastic hybrid pool's lane (TP=PP=DP=1 only)",
+        help="JSON object of ElasticConfig fields: host a lane of the elastic hybrid pool (TP=PP=1 only)",
     )
     args = parser.parse_args(argv)
     configure_logging(f"train-rank-{args.rank}")

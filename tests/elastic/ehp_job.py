@@ -1,15 +1,17 @@
 """Processes of the elastic hybrid pool test (run as scripts by test_hybrid_pool.py).
 
     python ehp_job.py static SPEC_JSON   one rank of a static DP=2 job (rank from the spec)
-    python ehp_job.py core SPEC_JSON     the core replica (DP=1), driving hybrid joins
-    python ehp_job.py hybrid SPEC_JSON   a hybrid replica process (started by the core)
+    python ehp_job.py core SPEC_JSON     one rank of the core (DP = the spec's core_ranks, default
+                                         1), driving the joins of its lane's hybrid replica
+    python ehp_job.py hybrid SPEC_JSON   a hybrid replica process (started by a core rank)
     python ehp_job.py core_agent SPEC_JSON  the core replica with a controller and a node agent:
                                          the plan executor moves a device from rollout to a hybrid
                                          replica (`libra.training.hybrid_worker`), which is then
                                          killed through the agent, and gives it back to rollout
 
 Every job trains the same tiny Qwen2 (tied embeddings) on the same batch per step, 12
-trajectories, two mini-batches per step. Results go to `result_<mode>.pt` in the spec's out_dir.
+trajectories, two mini-batches per step. Results go to `result_<name>.pt` in the spec's out_dir
+(`core`, or `core<rank>` for a core of several ranks).
 """
 
 from __future__ import annotations
@@ -78,11 +80,25 @@ def run_static(spec: dict) -> None:
     shutdown()
 
 
-def run_core(spec: dict) -> None:
-    """Joins hybrid replicas as the spec's plan says, by state rather than by step number (a
-    replica process takes seconds to start while the core keeps stepping), then trains
-    `tail_steps` more steps; at most `max_steps` in all."""
+def _all_ranks(value: int, op) -> int:
+    """`value` reduced over the core's ranks (the drivers of a multi-rank core agree on when to
+    activate and when to stop, or their collectives would part)."""
     import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(flag, op=op)
+    return int(flag.item())
+
+
+def run_core(spec: dict) -> None:
+    """Joins hybrid replicas to this rank's lane as the spec's plan says, by state rather than by
+    step number (a replica process takes seconds to start while the core keeps stepping), then
+    trains `tail_steps` more steps; at most `max_steps` in all. In a core of several ranks a lane
+    activates only when every rank's lane is ready to (so the hybrids' active steps overlap),
+    and the ranks stop together."""
+    import torch
+    import torch.distributed as dist
 
     from libra.planner.elastic import ElasticConfig, ReplicaState
     from libra.training.hybrid import CoreLane
@@ -90,11 +106,14 @@ def run_core(spec: dict) -> None:
     from tests.training.jobs import free_port
     from tests.training.tiny_models import make_batch
 
-    engine = build_engine(spec, 0, 1, spec["port"])
+    ranks, rank = spec.get("core_ranks", 1), spec.get("rank", 0)
+    name = "core" if ranks == 1 else f"core{rank}"
+    engine = build_engine(spec, rank, ranks, spec["port"])
     lane = CoreLane(engine, ElasticConfig(gradient_timeout_s=20, activation_timeout_s=60))
+    replica = ranks + rank
     out_dir = Path(spec["out_dir"])
     plan = list(spec["joins"])  # one dict per join: zero_sync_steps, active_steps, kill_after
-    record: dict = {"losses": [], "states": [], "times": [], "events": [], "payloads": []}
+    record: dict = {"losses": [], "states": [], "times": [], "events": [], "payloads": [], "shares": []}
     procs: list[subprocess.Popen] = []
     active_seen = 0
     current: dict = {}
@@ -105,23 +124,28 @@ def run_core(spec: dict) -> None:
         idle = state is None or state in (ReplicaState.ROLLED_BACK, ReplicaState.RELEASED)
         if idle and not plan:
             tail_left -= 1
-            if tail_left < 0:
-                break
+        go_on = tail_left >= 0
+        if ranks > 1:
+            go_on = bool(_all_ranks(int(go_on), dist.ReduceOp.MAX))
+        if not go_on:
+            break
         if plan and idle and step >= spec["first_join_step"]:
             if wait_after_rollback > 0:
                 wait_after_rollback -= 1
             else:
                 join = plan.pop(0)
-                generation = lane.request_join(replica=1)
+                generation = lane.request_join(replica)
+                tag = f"gen{generation}" if ranks == 1 else f"replica{replica}_gen{generation}"
                 hybrid_spec = {
                     **spec,
                     "address": lane.address,
+                    "replica": replica,
                     "generation": generation,
                     "port": free_port(),
                     "kill_after": join.get("kill_after"),
-                    "tag": f"gen{generation}",
+                    "tag": tag,
                 }
-                log = open(out_dir / f"hybrid_gen{generation}.log", "w")
+                log = open(out_dir / f"hybrid_{tag}.log", "w")
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, __file__, "hybrid", json.dumps(hybrid_spec)],
@@ -133,10 +157,14 @@ def run_core(spec: dict) -> None:
                 )
                 current, active_seen = join, 0
                 record["events"].append((step, f"join gen{generation}"))
+        ready = False
         if state is ReplicaState.ZERO_SYNC:
             current["zero_sync_left"] = current.get("zero_sync_left", current["zero_sync_steps"]) - 1
-            if current["zero_sync_left"] <= 0:
-                lane.request_activation()
+            ready = current["zero_sync_left"] <= 0
+        if ranks > 1:
+            ready = bool(_all_ranks(int(ready), dist.ReduceOp.MIN))
+        if ready:
+            lane.request_activation()
         if state is ReplicaState.ACTIVE:
             active_seen += 1
             if current.get("active_steps") and active_seen > current["active_steps"]:
@@ -146,13 +174,17 @@ def run_core(spec: dict) -> None:
         start = time.perf_counter()
         lane.begin_step(step, batch)
         state_in_step = lane.state()
-        if state_in_step is ReplicaState.RELEASED and "logprobs_at_release" not in record:
-            record["logprobs_at_release"] = engine.compute_logprobs(make_batch(seed=7))
+        released = state is not ReplicaState.RELEASED and state_in_step is ReplicaState.RELEASED
+        if ranks > 1:  # scoring is collective: every rank scores when any rank released
+            released = bool(_all_ranks(int(released), dist.ReduceOp.MAX))
+        if released:
+            record.setdefault("logprobs_at_release", engine.compute_logprobs(make_batch(seed=7)))
         result = engine.train_step(batch)
         record["times"].append(time.perf_counter() - start)
         record["losses"].append(result.loss)
         record["states"].append(None if state_in_step is None else state_in_step.name)
         record["payloads"].append(lane.counters.accepted_payloads - accepted_before)
+        record["shares"].append(lane.share())
         if lane.state() is ReplicaState.ROLLED_BACK and state is not ReplicaState.ROLLED_BACK:
             record["events"].append((step, "rolled back: " + lane.counters.rollbacks[-1]))
             wait_after_rollback = 2  # the slot rests two steps before the next join
@@ -162,14 +194,14 @@ def run_core(spec: dict) -> None:
     record["epoch"] = lane.pool.epoch
     record["final_state"] = None if lane.state() is None else lane.state().name
     record["logprobs_end"] = engine.compute_logprobs(make_batch(seed=7))
-    torch.save(record, out_dir / "result_core.pt")
+    torch.save(record, out_dir / f"result_{name}.pt")
     for p in procs:
         try:
             p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             p.kill()
     record["hybrid_exit_codes"] = [p.returncode for p in procs]
-    torch.save(record, out_dir / "result_core.pt")
+    torch.save(record, out_dir / f"result_{name}.pt")
     lane.listener.close()
     shutdown()
 
@@ -204,7 +236,7 @@ def run_hybrid(spec: dict) -> None:
     num = run_hybrid_replica(
         engine,
         spec["address"],
-        replica=1,
+        replica=spec.get("replica", 1),
         generation=spec["generation"],
         on_step=lambda step, result: losses.__setitem__(step, result.loss),
     )

@@ -5,7 +5,10 @@ rolls it back, computes the hybrid's share of that step itself, and goes on; a s
 activates and is released. A second core run does the same through the control plane
 (`agent_run.py`): the plan executor moves a device from a rollout instance to a hybrid replica
 started by a node agent (`libra.training.hybrid_worker`), which is then killed through that agent.
-A static DP=2 job on the same batches is the reference of both.
+A third run has a core of two ranks (DP=2), each rank's lane taking a hybrid replica (2 and 3):
+both activate at the same step (DP=4 shares), replica 3 dies in its 2nd active step, its core
+rank fills in its share while rank 0 notices nothing, and replica 2 is released later.
+A static DP=2 job on the same batches is the reference of all three.
 """
 
 from __future__ import annotations
@@ -99,10 +102,29 @@ def runs(tmp_path_factory):
         "port": free_port(),
     }
     _wait({"core_agent": _run("core_agent", core_agent, agent_dir, "core_agent")}, agent_dir)
-    # One static run serves both: every step's batch depends on the step only.
+    dp2_dir = root / "dp2"
+    dp2_dir.mkdir()
+    dp2 = {
+        "model": model,
+        "core_ranks": 2,
+        "max_steps": MAX_STEPS,
+        "first_join_step": 2,
+        "tail_steps": 2,
+        "out_dir": str(dp2_dir),
+        "port": free_port(),
+    }
+    joins = {0: {"zero_sync_steps": 2, "active_steps": 4}, 1: {"zero_sync_steps": 2, "kill_after": 2}}
+    _wait(
+        {
+            f"core{r}": _run("core", {**dp2, "rank": r, "joins": [joins[r]]}, dp2_dir, f"core{r}")
+            for r in range(2)
+        },
+        dp2_dir,
+    )
+    # One static run serves all: every step's batch depends on the step only.
     num_steps = max(
         len(torch.load(d / f"result_{m}.pt")["losses"])
-        for d, m in ((elastic_dir, "core"), (agent_dir, "core_agent"))
+        for d, m in ((elastic_dir, "core"), (agent_dir, "core_agent"), (dp2_dir, "core0"))
     )
     static = {"model": model, "steps": num_steps, "out_dir": str(static_dir), "port": free_port()}
     _wait(
@@ -114,6 +136,8 @@ def runs(tmp_path_factory):
         "core": torch.load(elastic_dir / "result_core.pt"),
         "hybrid_gen2": torch.load(elastic_dir / "result_hybrid_gen2.pt"),
         "core_agent": torch.load(agent_dir / "result_core_agent.pt"),
+        "dp2": [torch.load(dp2_dir / f"result_core{r}.pt") for r in range(2)],
+        "dp2_hybrid": torch.load(dp2_dir / "result_hybrid_replica2_gen1.pt"),
         "dir": elastic_dir,
     }
 
@@ -129,7 +153,8 @@ def test_protocol_ran_through_every_phase(runs):
     # First join rolled back by the kill, second released; the dead process exited with 17.
     assert len(core["rollbacks"]) == 1 and "grads" in core["rollbacks"][0]
     assert core["hybrid_exit_codes"] == [17, 0]
-    assert core["filled_in"] == 1
+    # The dead replica's gradients of both mini-batches of that step came from the core.
+    assert core["filled_in"] == 2
 
 
 def test_losses_equal_static_two_replica_dp(runs):
@@ -221,3 +246,37 @@ def test_hybrid_launched_through_a_node_agent_and_killed_there(runs):
         ("WORKER_STOPPED", "hybrid"),
         ("WORKER_STARTED", "rollout"),
     ]
+
+
+def test_two_rank_core_takes_a_hybrid_per_rank(runs):
+    """Core DP=2: replicas 2 and 3 activate at the same boundary and the batch is split into four
+    DP shares; replica 3 dies in its 2nd active step and rank 1 fills in its share (rank 0 keeps
+    its share and its replica); from the next step three shares; replica 2 is released. Every
+    step's loss, on both core ranks, equals the static DP=2 run's."""
+    rank0, rank1 = runs["dp2"]
+    static = runs["static"]["losses"]
+    print("rank 0:", list(zip(rank0["states"], rank0["shares"], strict=True)))
+    print("rank 1:", list(zip(rank1["states"], rank1["shares"], strict=True)))
+    assert rank0["losses"] == rank1["losses"]  # one job: the ranks agree on every step
+    for i, (a, b) in enumerate(zip(rank0["losses"], static[: len(rank0["losses"])], strict=True)):
+        assert abs(a - b) <= TOL, (i, rank0["states"][i], rank1["states"][i], a, b)
+    states = zip(rank0["states"], rank1["states"], strict=True)
+    both = [i for i, (a, b) in enumerate(states) if a == b == "ACTIVE"]
+    assert len(both) == 2, both  # replica 3 dies in its 2nd active step
+    for i in both:
+        assert rank0["shares"][i] == (0, 4) and rank1["shares"][i] == (1, 4)
+        assert rank0["payloads"][i] >= 2 and rank1["payloads"][i] >= 1, (i, rank0["payloads"])
+    killed = both[-1]
+    assert rank1["states"][killed + 1] == "ROLLED_BACK" and "grads" in rank1["rollbacks"][0]
+    assert rank1["filled_in"] == 2 and rank0["filled_in"] == 0 and rank0["rollbacks"] == []
+    assert rank0["states"][killed + 1] == "ACTIVE" and rank0["shares"][killed + 1] == (0, 3)
+    assert rank1["shares"][killed + 1] == (1, 3)
+    assert rank0["final_state"] == "RELEASED" and rank0["hybrid_exit_codes"] == [0]
+    assert rank1["hybrid_exit_codes"] == [17]
+    # Replica 2 stayed in lockstep with the core through the three- and four-share steps.
+    diff = max(
+        abs(a - b)
+        for ra, rb in zip(rank0["logprobs_at_release"], runs["dp2_hybrid"]["logprobs_end"], strict=True)
+        for a, b in zip(ra, rb, strict=True)
+    )
+    assert diff <= TOL

@@ -17,7 +17,7 @@ class StandInEngine:
     """What CoreLane touches outside a join: the rank layout, `peer`, `version`, `train_step`."""
 
     def __init__(self):
-        self.info = SimpleNamespace(tp_size=1, pp_size=1, dp_size=1)
+        self.info = SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, dp_rank=0)
         self.peer = None
         self.version = 0
         self.steps: list[int] = []
@@ -41,6 +41,13 @@ def test_join_answers_generation_and_lane_address(control):
     assert control.lane.state() is ReplicaState.REQUESTED
     state, _ = control.run_step(0, [])  # no hybrid connected: the core steps on
     assert state is ReplicaState.REQUESTED and control.lane.engine.steps == [0]
+
+
+def test_a_lane_takes_only_its_ranks_replica(control):
+    """Core DP rank r of D pairs with hybrid replica D + r: here rank 0 of 1, replica 1."""
+    with pytest.raises(ValueError, match="pairs with hybrid replica 1, not 2"):
+        control.request_join(2)
+    assert control.lane.state() is None
 
 
 def test_cancel_rolls_back_only_the_current_generation(control):

@@ -19,6 +19,14 @@ from libra.v1 import planner_pb2_grpc
 
 LOST_OUTCOMES = {"error", "no_instance", "aborted", "running"}
 """Trajectory outcomes that mean a trajectory was lost."""
+EXTERNALLY_PLANNED = [
+    "job.checkpoint_interval=0",
+    "job.live_progress=false",
+    "planner.policy.auto_apply=false",
+    "planner.execution.drain_timeout_s=10",
+]
+"""Overrides of a run whose plans come from the driver (`ProposePlan`), not the planner's own
+candidates, with no periodic checkpoint in the way."""
 
 
 def model_overrides() -> list[str]:

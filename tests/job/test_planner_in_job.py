@@ -1,16 +1,16 @@
 """The planner and the elastic hybrid pool inside a short run of the embedded default
-(configs/tiny_cpu.py on 3 CPU slots: the core train rank on device 0, TP-1 instances on devices 1
-and 2), with a fault.
+(configs/tiny_cpu.py on 4 CPU slots: a core of two train ranks, DP 2, on devices 0 and 1, TP-1
+instances on devices 2 and 3), with a fault.
 
 The launch layout is the planner's current plan. An external controller follows the run through
-the gRPC API and proposes (`ProposePlan`) a plan that moves device 1 from rollout to training: the
-job drains the instance there and a hybrid DP replica joins on it (started through the node agent,
-following the core rank's lane: FETCHING_STATE, then ACTIVE). Once it is ACTIVE the test SIGKILLs
-it. The core must roll it back and keep training with no step lost (it fills the replica's share
-in); the job retires the replica and reconciles the planner, and a last proposed plan gives
-device 1 back to rollout (a new instance, brought to the current weights). No trajectory may be
-lost, and the plan decisions, executed actions and hybrid states must be in the run's events and
-its report.
+the gRPC API and proposes (`ProposePlan`) a plan that moves device 2 from rollout to training: the
+job drains the instance there and hybrid DP replica 2 joins on it (started through the node agent,
+following core rank 0's lane: FETCHING_STATE, then ACTIVE, training one of three DP shares). Once
+it is ACTIVE the test SIGKILLs it. The core must roll it back and keep training with no step lost
+(rank 0 fills the replica's share in); the job retires the replica and reconciles the planner, and
+a last proposed plan gives device 2 back to rollout (a new instance, brought to the current
+weights). No trajectory may be lost, and the plan decisions, executed actions and hybrid states
+must be in the run's events and its report.
 
 Needs the cached warm-started policy (`tests/job/test_default_run.py`), about 5 GB and about three
 minutes (the hybrid's engine and the new instance start on a busy 2-core machine).
@@ -30,37 +30,38 @@ from libra.control.client import ClusterClient
 from libra.job.recorder import read_jsonl
 from libra.job.report import write_report
 from libra.v1 import planner_pb2
-from tests.job.driven_job import LOST_OUTCOMES, planner_stub, run_driven_job, wait_for
+from tests.job.driven_job import EXTERNALLY_PLANNED, LOST_OUTCOMES, planner_stub, run_driven_job, wait_for
 from tests.job.driven_job import events as _events
 
 pytestmark = pytest.mark.multiprocess
 
 NUM_STEPS = 56
 BATCH = 8
-GROUP = 4
+GROUP = 2
 OVERRIDES = [
+    *EXTERNALLY_PLANNED,
     f"job.num_steps={NUM_STEPS}",
-    "job.prompts_per_step=2",
+    f"job.prompts_per_step={BATCH // GROUP}",
     f"job.group_size={GROUP}",
     f"training.train_batch_size={BATCH}",
-    "job.checkpoint_interval=0",
-    "job.live_progress=false",
-    "planner.policy.auto_apply=false",
-    "planner.execution.drain_timeout_s=10",
-    # The 3-slot TP-1 layout: what this test exercises does not need the default's TP-2
-    # instance, and it starts faster.
-    "backend.num_devices=3",
+    # A core of two ranks, so the hybrid's gradients join a core rank's before the core's DP
+    # all-reduce; TP-1 instances start faster than the default's TP-2 one.
+    "backend.num_devices=4",
+    "training.data_parallel=2",
     "job.rollout_tp_sizes=1,1",
+    # Three replicas share the batch's four groups 2/1/1: the hybrid pool makes that possible.
+    "planner.search.uneven_data_parallel=true",
 ]
+HYBRID_DEVICE = 2
 
 
 def _with_hybrid(launch: planner_pb2.Plan) -> planner_pb2.Plan:
-    """Device 1 trains: DP 2 (replica 1 on device 1), rollout keeps device 2."""
+    """Device 2 trains: DP 3 (replica 2 on device 2), rollout keeps device 3."""
     plan = planner_pb2.Plan()
     plan.CopyFrom(launch)
-    plan.training.dp = 2
+    plan.training.dp = 3
     del plan.instances[:]
-    plan.instances.extend(i for i in launch.instances if list(i.devices) == [2])
+    plan.instances.extend(i for i in launch.instances if list(i.devices) == [HYBRID_DEVICE + 1])
     plan.buckets[0].num_instances = 1
     return plan
 
@@ -74,7 +75,7 @@ def _external_controller(run_dir: Path, driver: dict) -> None:
     launch = stub.GetPlan(planner_pb2.GetPlanRequest()).current
     driver["launch"] = launch
     driver["join"] = stub.ProposePlan(
-        planner_pb2.ProposePlanRequest(plan=_with_hybrid(launch), reason="test: device 1 trains")
+        planner_pb2.ProposePlanRequest(plan=_with_hybrid(launch), reason="test: device 2 trains")
     )
     if not wait_for(lambda: any(e["kind"] == "hybrid_active" for e in _events(run_dir)), driver):
         return
@@ -84,14 +85,14 @@ def _external_controller(run_dir: Path, driver: dict) -> None:
         hybrid = next(
             w
             for w in client.cluster_state().workers
-            if w.spec.worker_id.startswith("hybrid-1") and not w.state.ended
+            if w.spec.worker_id.startswith("hybrid-2") and not w.state.ended
         )
     os.killpg(hybrid.pid, signal.SIGKILL)
     driver["killed"] = hybrid.spec.worker_id
     if not wait_for(lambda: any(e["kind"] == "hybrid_retired" for e in _events(run_dir)), driver):
         return
     driver["back"] = stub.ProposePlan(
-        planner_pb2.ProposePlanRequest(plan=launch, reason="test: device 1 rolls out again")
+        planner_pb2.ProposePlanRequest(plan=launch, reason="test: device 2 rolls out again")
     )
     channel.close()
 
@@ -112,22 +113,26 @@ def run_dir(tmp_path_factory, driver) -> Path:
 
 def test_launch_layout_is_the_planners_current_plan(run_dir, driver):
     launch = driver["launch"]
-    assert (launch.training.tp, launch.training.dp, launch.training.first_device) == (1, 1, 0)
-    assert sorted(tuple(i.devices) for i in launch.instances) == [(1,), (2,)]
+    assert (launch.training.tp, launch.training.dp, launch.training.first_device) == (1, 2, 0)
+    assert sorted(tuple(i.devices) for i in launch.instances) == [(2,), (3,)]
     assert [(b.tp, b.num_instances) for b in launch.buckets] == [(1, 2)]
 
 
 def test_hybrid_replica_joins_becomes_active_and_is_killed(run_dir, driver):
     kinds = planner_pb2.PlanActionKind
     assert [(a.kind, a.replica if a.replica else a.instance_id) for a in driver["join"].actions] == [
-        (kinds.PLAN_ACTION_KIND_STOP_ROLLOUT_INSTANCE, "rollout-tp1-d1"),
-        (kinds.PLAN_ACTION_KIND_JOIN_HYBRID_REPLICA, 1),
+        (kinds.PLAN_ACTION_KIND_STOP_ROLLOUT_INSTANCE, "rollout-tp1-d2"),
+        (kinds.PLAN_ACTION_KIND_JOIN_HYBRID_REPLICA, 2),
     ]
     events = _events(run_dir)
     states = [e["kind"] for e in events if e["kind"].startswith("hybrid_")]
     assert "hybrid_active" in states, states
-    assert driver.get("killed", "").startswith("hybrid-1")
+    assert driver.get("killed", "").startswith("hybrid-2")
     assert states.index("hybrid_rolled_back") > states.index("hybrid_active")
+    # While ACTIVE its rows and gradients were added to core rank 0's (before the core's DP
+    # all-reduce over its two ranks).
+    rolled_back = next(e for e in events if e["kind"] == "hybrid_rolled_back")
+    assert rolled_back["accepted_payloads"] >= 1, rolled_back
     retired = next(e for e in events if e["kind"] == "hybrid_retired")
     assert "PeerLost" in retired["message"], retired
     if "of step" in retired["message"]:
@@ -152,7 +157,7 @@ def test_device_goes_back_to_rollout(run_dir, driver):
     back = driver["back"]
     kinds = planner_pb2.PlanActionKind
     assert [(a.kind, a.instance_id) for a in back.actions] == [
-        (kinds.PLAN_ACTION_KIND_START_ROLLOUT_INSTANCE, "rollout-tp1-d1")
+        (kinds.PLAN_ACTION_KIND_START_ROLLOUT_INSTANCE, "rollout-tp1-d2")
     ]
     executed = {e["plan_version"]: e for e in _events(run_dir) if e["kind"] == "plan_executed"}
     join = driver["join"].plan.version
@@ -163,11 +168,11 @@ def test_device_goes_back_to_rollout(run_dir, driver):
 def test_decisions_and_actions_are_recorded_and_reported(run_dir):
     events = _events(run_dir)
     applied = [e["message"] for e in events if e["kind"] == "plan_applied"]
-    assert any("test: device 1 trains" in m and "step " in m for m in applied), applied
-    assert any("reconciled: hybrid replica 1 rolled back" in m for m in applied), applied
+    assert any("test: device 2 trains" in m and "step " in m for m in applied), applied
+    assert any("reconciled: hybrid replica 2 rolled back" in m for m in applied), applied
     actions = [e["message"] for e in events if e["kind"] == "plan_action"]
-    assert any(m.startswith("0: stop rollout rollout-tp1-d1 (drain)") and ": ok " in m for m in actions)
-    assert any(m.startswith("1: join hybrid replica 1 on [1]: ok") for m in actions), actions
+    assert any(m.startswith("0: stop rollout rollout-tp1-d2 (drain)") and ": ok " in m for m in actions)
+    assert any(m.startswith("1: join hybrid replica 2 on [2]: ok") for m in actions), actions
     # The drained instance's end was planned: the watchdog did not restart it.
     assert not [e for e in events if e["kind"] in ("instance_lost", "instance_restarted")]
     report = (run_dir / "report.md").read_text()

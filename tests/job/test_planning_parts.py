@@ -12,26 +12,29 @@ from types import SimpleNamespace
 
 import pytest
 
-from libra.backends.base import DeviceInfo
+from libra.config import ControlConfig
 from libra.control.events import EventBus
-from libra.control.types import AgentState, AgentStatus, ClusterState, EventKind
+from libra.control.types import AgentState, ClusterState, EventKind
 from libra.job.planning import (
     JobPlanning,
+    RankHybridControl,
     StepTimes,
     cluster_spec,
     model_arch,
     planning_problem,
     request_record,
+    unsupported,
 )
 from libra.job.run import load_job_config
 from libra.job.workers import Placement
 from libra.planner import Planner, RequestRecord
 from libra.planner.actions import ActionResult, ExecutionReport, Outcome, RunningWorker
-from libra.planner.diff import StopRolloutInstance
+from libra.planner.diff import JoinHybridReplica, ReleaseHybridReplica, StopRolloutInstance
 from libra.planner.plan import BucketPlan, Plan, RolloutInstance
 from libra.scheduler.baselines import LeastLoadRouter, RoundRobinRouter
 from libra.scheduler.config import BucketConfig
 from libra.sim.trace import TrajectoryTrace, TurnTrace
+from tests.control.helpers import cpu_agent
 
 PLANNER_EVENTS = {
     "applied": EventKind.PLAN_APPLIED,
@@ -133,16 +136,7 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
         problem,
         on_event=lambda e: bus.publish(PLANNER_EVENTS[e.kind], plan_version=e.version, message=e.message),
     )
-    agent = AgentStatus(
-        "agent-0",
-        "localhost",
-        "127.0.0.1:1",
-        "cpu",
-        tuple(DeviceInfo(i, "cpu-slot", 2**30) for i in range(3)),
-        AgentState.ALIVE,
-        0.0,
-        0.0,
-    )
+    agent = cpu_agent("agent-0", range(3))
     agents = [agent]
     controller = SimpleNamespace(
         planner=planner,
@@ -284,6 +278,24 @@ def test_plan_needing_a_hybrid_join_is_refused_and_the_planner_reconciled(model_
         assert planning.executed_version == planning.planner.version
 
     asyncio.run(scenario())
+
+
+def test_each_core_rank_hosts_the_lane_of_one_hybrid_replica():
+    """A core of D ranks (TP = PP = 1) hosts D lanes: hybrid replica D + r goes to core rank r, and
+    a plan with more hybrids than core ranks is refused before anything runs. (The channels are
+    never used: nothing listens at these addresses.)"""
+    control = RankHybridControl(["127.0.0.1:1", "127.0.0.1:2"], "token", ControlConfig())
+    try:
+        assert [control.hosts(replica) for replica in range(6)] == [False, False, True, True, False, False]
+        assert unsupported([JoinHybridReplica(2, (2,)), JoinHybridReplica(3, (3,))], control) == []
+        assert unsupported([JoinHybridReplica(4, (4,)), StopRolloutInstance("r", (4,), False)], control) == [
+            JoinHybridReplica(4, (4,))
+        ]
+        assert unsupported([ReleaseHybridReplica(2, (2,))], None) == [ReleaseHybridReplica(2, (2,))]
+        with pytest.raises(RuntimeError, match="a core of 2 ranks takes replicas 2 to 3"):
+            control.request_join(4)
+    finally:
+        control.close()
 
 
 def test_failed_action_reconciles_the_planner_with_what_runs(model_dir, tmp_path):

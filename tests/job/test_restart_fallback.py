@@ -9,28 +9,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from libra.backends.base import DeviceInfo
-from libra.control.types import AgentState, AgentStatus, ClusterState
+from libra.control.types import ClusterState
 from libra.job.training_restart import JobTrainingRestart
 from libra.job.workers import Placement
 from libra.planner.diff import RestartTraining
 from libra.training.config import TrainingConfig
+from tests.control.helpers import cpu_agent
 
 
 class FakeJob:
     """The parts of `JobWorkers` a restart touches; `start_train_ranks` fails while `broken`."""
 
     def __init__(self, tmp_path, broken: bool):
-        agent = AgentStatus(
-            "agent-0",
-            "localhost",
-            "127.0.0.1:1",
-            "cpu",
-            tuple(DeviceInfo(i, "cpu-slot", 2**30) for i in range(4)),
-            AgentState.ALIVE,
-            0.0,
-            0.0,
-        )
+        agent = cpu_agent("agent-0", range(4))
         self.run_dir = tmp_path
         self.config = SimpleNamespace(training=TrainingConfig())
         self.stopped: list[str] = []

@@ -20,7 +20,14 @@ import pytest
 
 from libra.job.recorder import read_jsonl
 from libra.v1 import planner_pb2
-from tests.job.driven_job import LOST_OUTCOMES, events, planner_stub, run_driven_job, wait_for
+from tests.job.driven_job import (
+    EXTERNALLY_PLANNED,
+    LOST_OUTCOMES,
+    events,
+    planner_stub,
+    run_driven_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,15 +35,12 @@ NUM_STEPS = 14
 BATCH = 8
 RESTART_AFTER_STEP = 2
 OVERRIDES = [
+    *EXTERNALLY_PLANNED,
     f"job.num_steps={NUM_STEPS}",
     "job.prompts_per_step=2",
     "job.group_size=4",
     f"training.train_batch_size={BATCH}",
-    "job.checkpoint_interval=0",
     "job.eval_tasks=0",
-    "job.live_progress=false",
-    "planner.policy.auto_apply=false",
-    "planner.execution.drain_timeout_s=10",
     # On-policy: every batch is sampled wholly under the version it trains, so every step's
     # logprob gap is measured, the first one after the restart included.
     "training.max_staleness=0",

@@ -74,12 +74,24 @@ def random_problem(seed: int) -> PlanningProblem:
     )
 
 
+def group_shares(num_groups: int, dp: int) -> list[int]:
+    """Whole groups per replica, dealt one at a time round the replicas (independent of the
+    planner's ceil formula)."""
+    shares = [0] * dp
+    for g in range(num_groups):
+        shares[g % dp] += 1
+    return shares
+
+
 def brute_force_training(problem: PlanningProblem) -> list[tuple[TrainingConfig, float]]:
-    """Every training configuration satisfying the constraints, written out independently."""
+    """Every training configuration satisfying the constraints, written out independently. With
+    `uneven_data_parallel` every replica gets at least one whole group and the largest share
+    splits into whole micro-batches; without it the DP shares are equal."""
     cluster, model, batch, search = problem.cluster, problem.model, problem.batch, problem.config.search
     g = search.split_granularity or cluster.devices_per_node
     cost = TrainingCostModel(cluster, model, batch, problem.config, DEFAULT_TRAIN_FACTORS)
     seqs = SequenceStats.of(problem.history)
+    num_groups = batch.global_batch // batch.group_size
     found = []
     for tp, pp, dp, mb in itertools.product(
         search.train_tp_sizes,
@@ -88,6 +100,12 @@ def brute_force_training(problem: PlanningProblem) -> list[tuple[TrainingConfig,
         batch.micro_batch_sizes,
     ):
         n = tp * pp * dp
+        if search.uneven_data_parallel:
+            shares = group_shares(num_groups, dp)
+            splits = min(shares) >= 1 and (max(shares) * batch.group_size) % mb == 0
+        else:
+            per_replica = batch.global_batch // dp
+            splits = batch.global_batch % (dp * mb) == 0 and per_replica % batch.group_size == 0
         ok = (
             tp <= cluster.devices_per_node
             and model.num_attention_heads % tp == 0
@@ -95,8 +113,7 @@ def brute_force_training(problem: PlanningProblem) -> list[tuple[TrainingConfig,
             and model.num_layers % pp == 0
             and n % g == 0
             and search.min_train_devices <= n <= cluster.num_devices - search.min_rollout_devices
-            and batch.global_batch % (dp * mb) == 0
-            and (batch.global_batch // dp) % batch.group_size == 0
+            and splits
         )
         cfg = TrainingConfig(tp, pp, dp, mb)
         if ok and cost.fits(cfg, seqs):

@@ -318,15 +318,12 @@ def test_config_names_the_bad_field():
 
 
 def test_device_map_lays_agents_end_to_end():
-    from libra.backends.base import DeviceInfo
-    from libra.control.types import AgentState, AgentStatus, ClusterState
+    from libra.control.types import AgentState, ClusterState
     from libra.planner.device_map import DeviceMap
+    from tests.control.helpers import cpu_agent
 
-    def agent(name, indices, state=AgentState.ALIVE):
-        devices = tuple(DeviceInfo(i, "cpu-slot", 1) for i in indices)
-        return AgentStatus(name, name, f"{name}:1", "cpu", devices, state, 0.0, 0.0)
-
-    state = ClusterState([agent("a", [1, 0]), agent("gone", [0], AgentState.LOST), agent("b", [0, 1])], [], 0)
+    agents = [cpu_agent("a", [1, 0]), cpu_agent("gone", [0], AgentState.LOST), cpu_agent("b", [0, 1])]
+    state = ClusterState(agents, [], 0)
     devices = DeviceMap.from_cluster_state(state)
     # A lost agent keeps its place: b's devices keep the numbers they had while it lived.
     assert devices.num_devices == 5

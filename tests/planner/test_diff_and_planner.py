@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from libra.planner.calibration import scaled_factors
-from libra.planner.config import TriggerPolicy, load_problem
+from libra.planner.config import HybridPoolLimits, TriggerPolicy, load_problem
 from libra.planner.diff import (
     JoinHybridReplica,
     ReleaseHybridReplica,
@@ -67,6 +67,25 @@ def test_growing_training_joins_hybrid_replicas_and_stops_rollout_first():
     assert back.training.hybrid_replicas == ()
     assert actions[0] == ReleaseHybridReplica(3, tuple(range(24, 32)))
     assert not any(isinstance(a, RestartTraining) for a in actions)
+
+
+def test_growth_past_what_the_hybrid_pool_pairs_restarts_training():
+    """The job's pool pairs one hybrid per core replica of one rank: DP 1 -> 2 at TP 1 joins a
+    hybrid, DP 1 -> 3 or any growth of a TP-8 core restarts training (and is priced so)."""
+    job_pool = HybridPoolLimits(per_core_replica=1, max_core_model_parallel=1)
+    one_rank = make_plan(1, 1, 1, [8] * 5 + [4, 2, 1])
+    new, actions = diff_plans(one_rank, make_plan(1, 1, 2, [8] * 5 + [4, 2]), pool=job_pool)
+    assert new.training.hybrid_replicas == (1,) and JoinHybridReplica(1, (1,)) in actions
+    new, actions = diff_plans(one_rank, make_plan(1, 1, 3, [8] * 5 + [4, 1]), pool=job_pool)
+    assert new.training.hybrid_replicas == () and any(isinstance(a, RestartTraining) for a in actions)
+    _, actions = diff_plans(one_rank, make_plan(1, 1, 3, [8] * 5 + [4, 1]))  # unbounded: 2 hybrids
+    assert [a.replica for a in actions if isinstance(a, JoinHybridReplica)] == [1, 2]
+    tp8 = make_plan(8, 1, 3, [4, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1])
+    _, actions = diff_plans(tp8, make_plan(8, 1, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1]), pool=job_pool)
+    assert any(isinstance(a, RestartTraining) for a in actions)
+    assert not any(isinstance(a, JoinHybridReplica) for a in actions)
+    with pytest.raises(ValueError, match="per_core_replica must be >= 0"):
+        HybridPoolLimits(per_core_replica=-1)
 
 
 def test_shape_change_or_losing_core_replicas_restarts_training():

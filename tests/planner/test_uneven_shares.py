@@ -6,7 +6,6 @@ share, and the validation of plans with and without the option."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import numpy as np
@@ -17,7 +16,7 @@ from libra.planner.evaluate import validate_plan
 from libra.planner.plan import TrainingPlacement
 from libra.planner.search import DEFAULT_TRAIN_FACTORS, NoFeasiblePlan, search
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
-from tests.planner.helpers import brute_force_rollout, random_problem
+from tests.planner.helpers import brute_force_optimum, group_shares, random_problem
 
 NUM_RANDOM_CLUSTERS = 100
 SAMPLE = "configs/planner_qwen3_14b_48xa800.py"
@@ -26,60 +25,6 @@ SAMPLE = "configs/planner_qwen3_14b_48xa800.py"
 def with_uneven(problem: PlanningProblem, on: bool = True) -> PlanningProblem:
     search_cfg = dataclasses.replace(problem.config.search, uneven_data_parallel=on)
     return dataclasses.replace(problem, config=dataclasses.replace(problem.config, search=search_cfg))
-
-
-def group_shares(num_groups: int, dp: int) -> list[int]:
-    """Whole groups per replica, dealt one at a time round the replicas (independent of the
-    planner's ceil formula)."""
-    shares = [0] * dp
-    for g in range(num_groups):
-        shares[g % dp] += 1
-    return shares
-
-
-def brute_force_uneven_training(problem: PlanningProblem) -> list[tuple[TrainingConfig, float]]:
-    """Every training configuration of the uneven space, written out independently of
-    `enumerate_training`: every replica gets at least one whole group, and the largest share
-    splits into whole micro-batches."""
-    cluster, model, batch, search_cfg = problem.cluster, problem.model, problem.batch, problem.config.search
-    g = search_cfg.split_granularity or cluster.devices_per_node
-    cost = TrainingCostModel(cluster, model, batch, problem.config, DEFAULT_TRAIN_FACTORS)
-    seqs = SequenceStats.of(problem.history)
-    num_groups = batch.global_batch // batch.group_size
-    found = []
-    for tp, pp, dp, mb in itertools.product(
-        search_cfg.train_tp_sizes,
-        search_cfg.train_pp_sizes,
-        range(1, cluster.num_devices + 1),
-        batch.micro_batch_sizes,
-    ):
-        n = tp * pp * dp
-        shares = group_shares(num_groups, dp)
-        ok = (
-            tp <= cluster.devices_per_node
-            and model.num_attention_heads % tp == 0
-            and model.num_kv_heads % tp == 0
-            and model.num_layers % pp == 0
-            and n % g == 0
-            and search_cfg.min_train_devices <= n <= cluster.num_devices - search_cfg.min_rollout_devices
-            and min(shares) >= 1
-            and (max(shares) * batch.group_size) % mb == 0
-        )
-        cfg = TrainingConfig(tp, pp, dp, mb)
-        if ok and cost.fits(cfg, seqs):
-            found.append((cfg, cost.step_s(cfg, seqs)))
-    return found
-
-
-def brute_force_uneven_optimum(problem: PlanningProblem, rollout_devices: int) -> float:
-    rollout = brute_force_rollout(problem, problem.cluster.num_devices, rollout_devices)
-    return min(
-        (
-            max(step, rollout[problem.cluster.num_devices - cfg.num_devices])
-            for cfg, step in brute_force_uneven_training(problem)
-        ),
-        default=math.inf,
-    )
 
 
 def random_uneven_problem(seed: int) -> PlanningProblem:
@@ -115,13 +60,11 @@ def random_plans() -> dict[int, tuple[PlanningProblem, object]]:
 def test_uneven_search_matches_brute_force(seed, random_plans):
     problem, plan = random_plans[seed]
     if plan is None:
-        assert not math.isfinite(brute_force_uneven_optimum(problem, problem.cluster.num_devices // 2))
+        assert not math.isfinite(brute_force_optimum(problem, problem.cluster.num_devices // 2))
         return
     rollout_devices = plan.num_devices - plan.training.config.num_devices
     fixed = search(problem, rollout_devices=rollout_devices)
-    assert fixed.predicted_step_s == pytest.approx(
-        brute_force_uneven_optimum(problem, rollout_devices), rel=1e-7
-    )
+    assert fixed.predicted_step_s == pytest.approx(brute_force_optimum(problem, rollout_devices), rel=1e-7)
     for p in (plan, fixed):
         cfg, batch = p.training.config, problem.batch
         shares = group_shares(batch.global_batch // batch.group_size, cfg.dp)

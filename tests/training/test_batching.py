@@ -20,9 +20,10 @@ def test_split_balances_tokens_and_covers_every_index():
     assert split_across_ranks(lengths, 4) == shares  # deterministic: every rank agrees
 
 
-def test_split_needs_one_item_per_rank():
-    with pytest.raises(ValueError, match="data-parallel"):
-        split_across_ranks([3], 2)
+def test_split_leaves_the_last_ranks_empty_when_items_run_out():
+    assert split_across_ranks([3, 9], 4) == [[1], [0], [], []]
+    with pytest.raises(ValueError, match="num_ranks"):
+        split_across_ranks([3], 0)
 
 
 def test_micro_batches_respect_the_token_budget():
