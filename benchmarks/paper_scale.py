@@ -97,7 +97,7 @@ def split_table(config, max_uneven_rows: int = 6) -> str:
     ]
     for label, progress in (("start (step 0)", 0.0), ("end of drift", 1.0)):
         history = drifted_history(config, progress)
-        problem = planning_problem(config, history, config.batch.max_staleness, uneven_data_parallel=True)
+        problem = planning_problem(config, history, config.batch.max_staleness, elastic=True)
         divisor_only = planning_problem(config, history, config.batch.max_staleness)
         cost = TrainingCostModel(
             problem.cluster, problem.model, problem.batch, problem.config, config.train_factors
@@ -131,11 +131,10 @@ def replan_summary(comparison) -> str:
     for name, r in comparison.results.items():
         if not r.planner_search_s:
             continue
-        notes = [n for n in r.notes if "re-plan" in n or "candidate" in n]
-        same = sum("candidate the running layout" in n for n in notes)
+        notes = [n for n in r.notes if "re-plan" in n]
         lines.append(
             f"- {name}: {len(r.planner_search_s)} searches, {r.plans_applied} applied, "
-            f"{r.plans_rejected} rejected or vetoed ({same} candidates were the running layout)"
+            f"{r.plans_rejected} rejected"
         )
         shown = notes if len(notes) <= 6 else [*notes[:3], "...", *notes[-3:]]
         lines += [f"  - {n}" for n in shown]

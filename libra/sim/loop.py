@@ -12,8 +12,9 @@ a baseline) over simulated instances (`engine`), and runs `num_steps` training s
   `max_staleness` versions ahead; the trainer takes the first `global_batch` fresh finished
   trajectories, trains (training cost model on that batch's lengths), publishes the weights, and
   the next turns run on the new version. With re-planning, the real `Planner` observes each step
-  and proposes candidates; the loop prices each candidate's diff (elastic join vs restart) and
-  accepts or vetoes it with the planner's apply rule, then moves devices between the stages.
+  and adopts plans by its own apply rule (a policy without the elastic pool tells it that the
+  pool pairs nothing, so every training change is priced as the restart it is); the loop then
+  moves devices between the stages.
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from libra.planner.calibration import scaled_factors
 from libra.planner.config import RequestRecord, TriggerPolicy
-from libra.planner.diff import JoinHybridReplica, ReleaseHybridReplica, RestartTraining, diff_plans
-from libra.planner.evaluate import evaluate_plan
+from libra.planner.diff import RestartTraining
 from libra.planner.planner import Planner
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
-from libra.planner.triggers import StepObservation, decide_apply
+from libra.planner.triggers import StepObservation
 from libra.scheduler.baselines import LeastLoadRouter, LengthMlfqRouter
 from libra.scheduler.cmlfq import CmlfqRouter
 from libra.sim.config import Mode, PolicySpec, RouterKind, SimConfig
@@ -129,6 +128,8 @@ class PolicyRun:
         self.plans_rejected = 0
         self.search_s: list[float] = []
         self.notes: list[str] = []
+        self._applied_because = ""
+        """The planner's reason for the plan it adopted last (its `applied` event)."""
         self.planner: Planner | None = None
         self.current_plan = layout.plan
         self.bucket_tps, self.thresholds = layout.bucket_tps, layout.thresholds
@@ -418,16 +419,11 @@ class AsyncRun(PolicyRun):
 
     def _start_planner(self) -> None:
         costs = self.config.costs
-        # Without the elastic pool every training change is a restart (priced again below, by
-        # the candidate's diff, as the planner cannot tell a hybrid move from a restart then).
-        moves = (
-            costs.hybrid_join_s + costs.instance_start_s if self.policy.elastic else costs.restart_training_s
-        )
         policy = replace(
             self.config.planner.policy,
-            auto_apply=False,
+            auto_apply=True,
             cut_inflight=True,
-            reconfiguration_cost_s=moves,
+            reconfiguration_cost_s=costs.hybrid_join_s + costs.instance_start_s,
             restart_cost_s=costs.restart_training_s,
         )
         problem = self._planning_problem()
@@ -442,15 +438,15 @@ class AsyncRun(PolicyRun):
         """The re-plans' problem: with the elastic pool, training may grow by replicas that take
         unequal, group-granular shares (`SearchConfig.uneven_data_parallel`); without it a
         re-split restarts training into Megatron DP groups of equal shares."""
-        return planning_problem(
-            self.config, tuple(self.history), self.staleness_bound, uneven_data_parallel=self.policy.elastic
-        )
+        history = tuple(self.history)
+        return planning_problem(self.config, history, self.staleness_bound, elastic=self.policy.elastic)
 
     def _on_planner_event(self, event) -> None:
-        if event.kind == "rejected":
+        if event.kind == "rejected":  # the trigger's reason and the planner's rule
             self.plans_rejected += 1
-        if event.kind in ("rejected", "proposed"):  # the trigger's reason and the planner's rule
-            self.notes.append(f"step {self.step}: re-plan {event.kind} by the planner: {event.message}")
+            self.notes.append(f"step {self.step}: re-plan rejected by the planner: {event.message}")
+        if event.kind == "applied":
+            self._applied_because = event.message
 
     def _observe(self, train_s: float, rollout_s: float) -> None:
         planner = self.planner
@@ -467,50 +463,17 @@ class AsyncRun(PolicyRun):
             history_size=len(self.history),
         )
         started = time.perf_counter()
-        planner.observe(obs)
+        adoption = planner.observe(obs)
         elapsed = time.perf_counter() - started
         if elapsed > 1e-4:  # a search ran (a trigger fired)
             self.search_s.append(elapsed)
-        if planner.candidate is None:
+        if adoption is None:
             return
-        candidate = planner.candidate
-        _, actions = diff_plans(self.current_plan, candidate, cut_inflight=True)
-        restart = any(isinstance(a, RestartTraining) for a in actions) or (
-            not self.policy.elastic
-            and any(isinstance(a, JoinHybridReplica | ReleaseHybridReplica) for a in actions)
-        )
+        restart = any(isinstance(a, RestartTraining) for a in adoption.actions)
         costs = self.config.costs
         cost = costs.restart_training_s if restart else costs.hybrid_join_s + costs.instance_start_s
-        # The gain is judged model against model: the running plan re-priced on the same history
-        # as the candidate, with the factors the planner priced the candidate with (scaled by its
-        # calibration against the measured steps). (Against the measured step, every candidate
-        # looks like a gain by the model's own error, and near-equal plans -- common when the
-        # slowest trajectory bounds rollout -- replace each other every few steps.)
-        problem = self._planning_problem()
-        scales = planner.scales
-        factors = (
-            scaled_factors(self.config.train_factors, scales.train),
-            scaled_factors(self.config.rollout_factors, scales.rollout),
-        )
-        try:
-            current_s = evaluate_plan(problem, self.current_plan, *factors).predicted_step_s
-        except ValueError:  # the running plan no longer fits the workload (e.g. memory, drift)
-            current_s = math.inf
-        decision = decide_apply(current_s, candidate.predicted_step_s, cost, planner.policy)
-        same = (
-            "the running layout" if _layout(candidate) == _layout(self.current_plan) else _layout(candidate)
-        )
-        self.notes.append(
-            f"step {self.step}: candidate {same}: model step {current_s:.1f} s running vs "
-            f"{candidate.predicted_step_s:.1f} s candidate, cost {cost:.0f} s -> "
-            f"{'apply' if decision.apply else 'veto'} ({decision.reason})"
-        )
-        if not decision.apply:
-            planner.veto_candidate(decision.reason)
-            self.plans_rejected += 1
-            return
-        adoption = planner.accept_candidate(decision.reason)
-        planner.record_reconfiguration(cost, restart=any(isinstance(a, RestartTraining) for a in actions))
+        planner.record_reconfiguration(cost, restart=restart)
+        self.notes.append(f"step {self.step}: re-plan applied by the planner: {self._applied_because}")
         self._apply(adoption.plan, restart)
 
     def _apply(self, plan, restart: bool) -> None:
@@ -585,12 +548,6 @@ def training_layout(cfg: TrainingConfig, batch) -> str:
     low, extra = divmod(groups, cfg.dp)
     shares = f"{low} x{cfg.dp}" if not extra else f"{low + 1} x{extra} + {low} x{cfg.dp - extra}"
     return f"{cfg.num_devices} devices TP{cfg.tp} PP{cfg.pp} DP{cfg.dp} mb{cfg.micro_batch} (groups {shares})"
-
-
-def _layout(plan) -> str:
-    mix = " + ".join(f"{b.num_instances}xTP{b.tp}" for b in plan.buckets if b.num_instances)
-    cfg = plan.training.config
-    return f"train {cfg.num_devices} devices (DP{cfg.dp}), rollout {mix}"
 
 
 def simulate(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from libra.planner.config import PlanningProblem, RequestRecord, TrainingBatch
+from libra.planner.config import HybridPoolLimits, PlanningProblem, RequestRecord, TrainingBatch
 from libra.planner.plan import Plan, RolloutInstance, place_rollout
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.search import search
@@ -52,20 +52,19 @@ class Layout:
 
 
 def planning_problem(
-    config: SimConfig,
-    history: tuple[RequestRecord, ...],
-    max_staleness: int,
-    uneven_data_parallel: bool = False,
+    config: SimConfig, history: tuple[RequestRecord, ...], max_staleness: int, elastic: bool = False
 ) -> PlanningProblem:
-    """The planner's problem for the config. `uneven_data_parallel` (the search's option, which
-    this sets either way) lets training take DP sizes that do not divide the batch's groups: the
-    re-plans of policies with the elastic hybrid pool, whose replicas take group-granular
-    unequal shares. The launch plan (and a restart-based system's re-plans) form Megatron DP
-    groups with equal shares."""
+    """The planner's problem for the config. `elastic`: the policy has the elastic hybrid pool
+    (the design's k-replica pool, unbounded), whose replicas take group-granular unequal shares,
+    so training may take DP sizes that do not divide the batch's groups
+    (`SearchConfig.uneven_data_parallel`). Without it (and for the launch plan) training forms
+    Megatron DP groups with equal shares, and the pool pairs nothing: every training change is a
+    restart."""
     batch = replace(config.batch, max_staleness=max_staleness)
-    search = replace(config.planner.search, uneven_data_parallel=uneven_data_parallel)
+    search = replace(config.planner.search, uneven_data_parallel=elastic)
+    pool = HybridPoolLimits() if elastic else HybridPoolLimits(per_core_replica=0)
     return PlanningProblem(
-        config.cluster, config.model, batch, history, replace(config.planner, search=search)
+        config.cluster, config.model, batch, history, replace(config.planner, search=search, hybrid_pool=pool)
     )
 
 

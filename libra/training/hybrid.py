@@ -32,9 +32,15 @@ hybrid replica D + r pairing with core DP rank r. The protocol follows `libra.pl
   boundary, notice nothing); from the next boundary on the batch has one share fewer.
 - Release: ACTIVE -> RELEASING, the hybrid is told to stop, RELEASED when the channel closes.
 
-Scope: core and hybrid replicas of TP = PP = 1 (a hybrid of TP or PP > 1 would pair rank by rank
-with a core replica, and a failure would need the agreement of that replica's ranks before any
-of them fills in; not implemented).
+A hybrid replica of TP = T is T processes (its own world, TP = T), hybrid TP rank t paired with
+the core rank of TP rank t in core DP replica r; each pair has its own channel and exchanges its
+own shards (state, gradients). The T lanes of one core replica move as one: at every boundary
+they exchange their status (an all-gather over the core replica's TP group) and take the same
+transitions, and each payload a lane waits for is agreed over that group, so a failure seen by
+any of them rolls all of them back and the whole core replica fills the share in together.
+
+Scope: PP = 1 (a pipeline hybrid would pair stage by stage, and a fill-in would need the core
+replica's whole pipeline; not implemented).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from libra.planner.controls import HybridJoin
-from libra.planner.elastic import ElasticConfig, HybridPool, PayloadHeader, ReplicaState
+from libra.planner.elastic import TERMINAL_STATES, ElasticConfig, HybridPool, PayloadHeader, ReplicaState
 from libra.training.grad_channel import (
     Channel,
     Listener,
@@ -64,6 +70,10 @@ from libra.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from libra.training.engine import StepResult
+
+_STATES = list(ReplicaState)
+"""A state's number in the status the lanes of one replica exchange."""
+
 
 # -- training state over the channel -----------------------------------------------------------
 
@@ -135,10 +145,9 @@ class CoreLane:
         clock: Callable[[], float] = time.monotonic,
         host: str = "127.0.0.1",
     ):
-        if (engine.info.tp_size, engine.info.pp_size) != (1, 1):
+        if engine.info.pp_size != 1:
             raise ValueError(
-                "the elastic hybrid pool runs with a core of TP=1 PP=1 for now, got "
-                f"TP={engine.info.tp_size} PP={engine.info.pp_size}"
+                f"the elastic hybrid pool runs with a core of PP=1 for now, got PP={engine.info.pp_size}"
             )
         self.engine = engine
         self.pool = HybridPool(config or ElasticConfig())
@@ -148,6 +157,10 @@ class CoreLane:
         self._replica: int | None = None
         self._generation = 0
         self._channel: Channel | None = None
+        self._hello: Channel | None = None
+        """The hybrid's connection once it said hello, until the replica's ranks agree to fetch."""
+        self._loaded_step: int | None = None
+        """The step the hybrid acknowledged loading the state of (FETCHING_STATE)."""
         self._activation_requested = False
         self._release_requested = False
         self._step = 0
@@ -186,6 +199,7 @@ class CoreLane:
         self._generation = self.pool.request_join(replica, self.clock())
         self._replica = replica
         self._activation_requested = self._release_requested = False
+        self._loaded_step = None
         return self._generation
 
     def cancel_join(self, generation: int, reason: str) -> bool:
@@ -212,13 +226,7 @@ class CoreLane:
         hands the batch of `step` to a registered replica. Never waits on the replica except at
         the activation barrier (bounded by `activation_timeout_s`)."""
         self._step, self._minibatch = step, 0
-        state = self.state()
-        if state is not None and state not in (ReplicaState.RELEASED, ReplicaState.ROLLED_BACK):
-            try:
-                self._advance(state)
-            except (PeerLost, TimeoutError) as e:
-                self._roll_back(f"{type(e).__name__}: {e}")
-            self._roll_back_expired()
+        self._boundary()
         active = self.state() is ReplicaState.ACTIVE
         self._agree_shares(active)
         if self._channel is not None:
@@ -241,38 +249,117 @@ class CoreLane:
         self._core_share = (rank, count)
         self._hybrid_share = (size + sum(actives[:rank]), count) if active else None
 
-    def _advance(self, state: ReplicaState) -> None:
+    # A hybrid replica of TP = T is T processes, each paired with the core rank of the same TP
+    # rank. The T lanes of one replica move together: each boundary they exchange their local
+    # status (one all-gather over the core replica's TP group, whatever their states) and take
+    # the same transitions from it; a failure seen by one of them rolls all of them back.
+
+    def _boundary(self) -> None:
+        self._poll()
+        if self._replica is not None and self.state() not in TERMINAL_STATES:
+            self._roll_back_expired()
+        view = self._gather(self._status())
+        newest = max(row[0] for row in view)
+        if newest == 0 or self._generation != newest:
+            return  # no join yet, or this rank's request for the newest one has not arrived
+        current = [row for row in view if row[0] == newest]
+        states = {_STATES[row[1]] for row in current}
+        state = self.state()
+        if ReplicaState.ROLLED_BACK in states:
+            if state is not ReplicaState.ROLLED_BACK:
+                self._roll_back(f"another rank of hybrid replica {self._replica} rolled back")
+            return
+        if len(current) < len(view) or len(states) != 1 or state in TERMINAL_STATES:
+            return  # a rank still waits for its request; or nothing left to do
         now = self.clock()
-        if state is ReplicaState.REQUESTED:
-            channel = self.listener.poll()
-            if channel is None:
-                return
-            hello = channel.recv(timeout_s=self.pool.config.request_timeout_s)
-            if hello.kind != "hello" or hello.meta.get("generation") != self._generation:
-                channel.close()  # a cancelled join's process: not ours
-                self.pool.ignored_events += 1
-                return
-            self._channel = channel
-            self.pool.start_fetch(self._replica, self._generation, now)
-            # The state before this step; every later step streams after it, in order.
-            channel.send("state", {"step": self._step}, object_to_bytes(export_state(self.engine)))
-            return
-        frame = self._channel.poll() if self._channel is not None else None
-        if state is ReplicaState.FETCHING_STATE and frame is not None:
-            if frame.kind != "state_loaded":
-                raise PeerLost(f"expected state_loaded, got {frame.kind}")
-            self.pool.state_fetched(self._replica, self._generation, frame.meta["step"], now)
+        hello, loaded, release, activate = (all(row[k] for row in current) for k in range(2, 6))
+        if state is ReplicaState.REQUESTED and hello:
+            self._attempt(self._send_state)
+        elif state is ReplicaState.FETCHING_STATE and loaded:
+            self.pool.state_fetched(self._replica, self._generation, self._loaded_step, now)
             state = ReplicaState.ZERO_SYNC
-        if self._release_requested:
+        if release:
             self._release(state, now)
+        elif state is ReplicaState.ZERO_SYNC and activate:
+            self._attempt(self._activate)
+            active = self.state() is ReplicaState.ACTIVE
+            if not self._replica_agrees(active) and active:
+                self._roll_back(f"another rank of hybrid replica {self._replica} failed to activate")
+
+    def _status(self) -> list[int]:
+        """[generation, state, hello accepted, state loaded, release requested, activation
+        requested] of this rank's lane."""
+        state = self.state()
+        return [
+            self._generation,
+            -1 if state is None else _STATES.index(state),
+            int(self._hello is not None),
+            int(self._loaded_step is not None),
+            int(self._release_requested),
+            int(self._activation_requested),
+        ]
+
+    def _poll(self) -> None:
+        """This rank's progress without a transition: a hello accepted (REQUESTED), the state's
+        load acknowledged (FETCHING_STATE). A broken peer rolls the replica back here."""
+        state = self.state()
+        if state is ReplicaState.REQUESTED and self._hello is None:
+            self._attempt(self._accept_hello)
+        elif state is ReplicaState.FETCHING_STATE and self._loaded_step is None:
+            self._attempt(self._poll_loaded)
+
+    def _accept_hello(self) -> None:
+        channel = self.listener.poll()
+        if channel is None:
             return
-        if state is ReplicaState.ZERO_SYNC and self._activation_requested:
-            self.pool.begin_activation(self._replica, self._generation, now)
-            self._channel.send("activate", {"first_step": self._step})
-            reply = self._channel.recv(timeout_s=self.pool.config.activation_timeout_s)
-            if reply.kind != "activated":
-                raise PeerLost(f"expected activated, got {reply.kind}")
-            self.pool.activated(self._replica, self._generation, self._step, self.clock())
+        hello = channel.recv(timeout_s=self.pool.config.request_timeout_s)
+        if hello.kind != "hello" or hello.meta.get("generation") != self._generation:
+            channel.close()  # a cancelled join's process: not ours
+            self.pool.ignored_events += 1
+            return
+        self._hello = channel
+
+    def _poll_loaded(self) -> None:
+        frame = self._channel.poll()
+        if frame is None:
+            return
+        if frame.kind != "state_loaded":
+            raise PeerLost(f"expected state_loaded, got {frame.kind}")
+        self._loaded_step = frame.meta["step"]
+
+    def _send_state(self) -> None:
+        self._channel, self._hello = self._hello, None
+        self.pool.start_fetch(self._replica, self._generation, self.clock())
+        # The state before this step; every later step streams after it, in order.
+        self._channel.send("state", {"step": self._step}, object_to_bytes(export_state(self.engine)))
+
+    def _activate(self) -> None:
+        self.pool.begin_activation(self._replica, self._generation, self.clock())
+        self._channel.send("activate", {"first_step": self._step})
+        reply = self._channel.recv(timeout_s=self.pool.config.activation_timeout_s)
+        if reply.kind != "activated":
+            raise PeerLost(f"expected activated, got {reply.kind}")
+        self.pool.activated(self._replica, self._generation, self._step, self.clock())
+
+    def _attempt(self, action: Callable[[], None]) -> None:
+        """Runs one exchange with the hybrid; a lost or late peer rolls the replica back."""
+        try:
+            action()
+        except (PeerLost, TimeoutError) as e:
+            self._roll_back(f"{type(e).__name__}: {e}")
+
+    def _gather(self, row: list[int]) -> list[list[int]]:
+        """`row` of every rank of this core replica (its TP group), in TP rank order."""
+        if self.engine.info.tp_size == 1:
+            return [row]
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = [torch.zeros_like(mine) for _ in range(self.engine.info.tp_size)]
+        dist.all_gather(rows, mine, group=self.engine._tp_group)
+        return [r.tolist() for r in rows]
+
+    def _replica_agrees(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank of this core replica."""
+        return all(row[0] for row in self._gather([int(flag)]))
 
     def _release(self, state: ReplicaState, now: float) -> None:
         if state is ReplicaState.ACTIVE:
@@ -295,9 +382,10 @@ class CoreLane:
         self._close()
 
     def _close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        for channel in (self._channel, self._hello):
+            if channel is not None:
+                channel.close()
+        self._channel = self._hello = None
 
     # -- GradientPeer ----------------------------------------------------------------------------
 
@@ -339,9 +427,18 @@ class CoreLane:
         """The hybrid's payload of `kind` for this step and mini-batch, or None when the replica
         failed (lost, timed out: rolled back now, or earlier in this step) and the core fills in.
         Stale payloads are dropped and counted, and the wait goes on until the deadline."""
-        if self._channel is None:
+        payload = self._receive_own(kind) if self._channel is not None else None
+        if not self._replica_agrees(payload is not None):
+            if self._channel is not None:
+                self._roll_back(
+                    f"{kind} of step {self._step}: another rank of hybrid replica {self._replica} failed"
+                )
             self.counters.filled_in_shares += 1
             return None
+        return payload
+
+    def _receive_own(self, kind: str) -> torch.Tensor | None:
+        """This rank's peer's payload (None: rolled back)."""
         deadline = self.clock() + self.pool.config.gradient_timeout_s
         try:
             while True:
@@ -361,7 +458,6 @@ class CoreLane:
                     self.pool.dropped_payloads["step"] += 1
         except (PeerLost, TimeoutError) as e:
             self._roll_back(f"{kind} of step {self._step}: {type(e).__name__}: {e}")
-            self.counters.filled_in_shares += 1
             return None
 
 

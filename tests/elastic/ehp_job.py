@@ -35,11 +35,12 @@ def batch_for_step(step: int):
     return batch
 
 
-def training_config(world_size: int):
+def training_config(data_parallel: int, tensor_parallel: int = 1):
     from libra.training.config import GrpoConfig, TrainingConfig
 
     return TrainingConfig(
-        data_parallel=world_size,
+        data_parallel=data_parallel,
+        tensor_parallel=tensor_parallel,
         lr=1e-3,
         adam_eps=1e-6,
         num_minibatches=2,
@@ -50,7 +51,7 @@ def training_config(world_size: int):
     )
 
 
-def build_engine(spec: dict, rank: int, world_size: int, port: int):
+def build_engine(spec: dict, rank: int, world_size: int, port: int, tp: int = 1):
     from libra.backends import get_backend
 
     get_backend("cpu").prepare_worker()
@@ -61,9 +62,9 @@ def build_engine(spec: dict, rank: int, world_size: int, port: int):
     from libra.training.model import ModelArchitecture
     from libra.training.parallel import initialize
 
-    info = initialize(1, 1, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    info = initialize(tp, 1, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
-    engine = TrainEngine(arch, training_config(world_size), info)
+    engine = TrainEngine(arch, training_config(world_size // tp, tp), info)
     engine.load_hf(hf_tensor_reader(spec["model"]))
     return engine
 
@@ -73,7 +74,8 @@ def run_static(spec: dict) -> None:
 
     from libra.training.parallel import shutdown
 
-    engine = build_engine(spec, spec["rank"], 2, spec["port"])
+    tp = spec.get("tp", 1)
+    engine = build_engine(spec, spec["rank"], 2 * tp, spec["port"], tp)
     losses = [engine.train_step(batch_for_step(step)).loss for step in range(spec["steps"])]
     if spec["rank"] == 0:
         torch.save({"losses": losses}, Path(spec["out_dir"]) / "result_static.pt")
@@ -106,11 +108,11 @@ def run_core(spec: dict) -> None:
     from tests.training.jobs import free_port
     from tests.training.tiny_models import make_batch
 
-    ranks, rank = spec.get("core_ranks", 1), spec.get("rank", 0)
+    ranks, rank, tp = spec.get("core_ranks", 1), spec.get("rank", 0), spec.get("core_tp", 1)
     name = "core" if ranks == 1 else f"core{rank}"
-    engine = build_engine(spec, rank, ranks, spec["port"])
+    engine = build_engine(spec, rank, ranks, spec["port"], tp)
     lane = CoreLane(engine, ElasticConfig(gradient_timeout_s=20, activation_timeout_s=60))
-    replica = ranks + rank
+    replica = engine.info.dp_size + engine.info.dp_rank
     out_dir = Path(spec["out_dir"])
     plan = list(spec["joins"])  # one dict per join: zero_sync_steps, active_steps, kill_after
     record: dict = {"losses": [], "states": [], "times": [], "events": [], "payloads": [], "shares": []}
@@ -136,16 +138,21 @@ def run_core(spec: dict) -> None:
                 join = plan.pop(0)
                 generation = lane.request_join(replica)
                 tag = f"gen{generation}" if ranks == 1 else f"replica{replica}_gen{generation}"
+                # A hybrid of TP > 1: this rank starts the hybrid's rank of its own TP rank; the
+                # hybrid's ranks meet on the generation's port, the same on every core rank.
+                killed = join.get("kill_tp_rank", engine.info.tp_rank) == engine.info.tp_rank
                 hybrid_spec = {
                     **spec,
                     "address": lane.address,
                     "replica": replica,
                     "generation": generation,
-                    "port": free_port(),
-                    "kill_after": join.get("kill_after"),
-                    "tag": tag,
+                    "port": spec["hybrid_ports"][generation - 1] if tp > 1 else free_port(),
+                    "hybrid_tp": tp,
+                    "hybrid_rank": engine.info.tp_rank,
+                    "kill_after": join.get("kill_after") if killed else None,
+                    "tag": tag if tp == 1 else f"{tag}_tp{engine.info.tp_rank}",
                 }
-                log = open(out_dir / f"hybrid_{tag}.log", "w")
+                log = open(out_dir / f"hybrid_{hybrid_spec['tag']}.log", "w")
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, __file__, "hybrid", json.dumps(hybrid_spec)],
@@ -216,7 +223,8 @@ def run_hybrid(spec: dict) -> None:
     from libra.training.parallel import shutdown
     from tests.training.tiny_models import make_batch
 
-    engine = build_engine(spec, 0, 1, spec["port"])
+    tp = spec.get("hybrid_tp", 1)
+    engine = build_engine(spec, spec.get("hybrid_rank", 0), tp, spec["port"], tp)
     kill_after = spec.get("kill_after")
     if kill_after:
         active_grads = {"n": 0}

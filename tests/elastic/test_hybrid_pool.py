@@ -8,7 +8,11 @@ started by a node agent (`libra.training.hybrid_worker`), which is then killed t
 A third run has a core of two ranks (DP=2), each rank's lane taking a hybrid replica (2 and 3):
 both activate at the same step (DP=4 shares), replica 3 dies in its 2nd active step, its core
 rank fills in its share while rank 0 notices nothing, and replica 2 is released later.
-A static DP=2 job on the same batches is the reference of all three.
+A fourth run has a core replica of TP=2 (two ranks) and hybrid replicas of TP=2 (two processes
+each, rank t paired with core rank t): the first join loses its TP rank 1 in its 2nd active step,
+and both core ranks roll it back and fill its share in together; the second is released.
+A static DP=2 job on the same batches is the reference of the first three, a static TP=2 DP=2
+job that of the fourth.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ _REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.multiprocess,
-    # Two elastic runs and a static DP=2 run in the module fixture: minutes on a busy 2-core machine.
+    # Four elastic runs and two static runs in the module fixture: minutes on a busy 2-core machine.
     pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
@@ -68,12 +72,20 @@ def _wait(procs: dict[str, subprocess.Popen], out_dir: Path, timeout: float = 24
         raise AssertionError(f"{failed} failed:\n{logs}")
 
 
+def _static(model: str, steps: int, out_dir: Path, tp: int = 1) -> dict:
+    """A static TP=tp DP=2 job's results over `steps` steps."""
+    out_dir.mkdir()
+    spec = {"model": model, "tp": tp, "steps": steps, "out_dir": str(out_dir), "port": free_port()}
+    ranks = {f"static{r}": _run("static", {**spec, "rank": r}, out_dir, f"static{r}") for r in range(2 * tp)}
+    _wait(ranks, out_dir)
+    return torch.load(out_dir / "result_static.pt")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ehp")
     model = str(make_hf_model("qwen2", root / "model", tie=True, seed=3))
     static_dir, elastic_dir = root / "static", root / "elastic"
-    static_dir.mkdir()
     elastic_dir.mkdir()
     core = {
         "model": model,
@@ -121,18 +133,33 @@ def runs(tmp_path_factory):
         },
         dp2_dir,
     )
-    # One static run serves all: every step's batch depends on the step only.
+    tp2_dir = root / "tp2"
+    tp2_dir.mkdir()
+    tp2 = {
+        **dp2,
+        "core_tp": 2,
+        "out_dir": str(tp2_dir),
+        "port": free_port(),
+        "hybrid_ports": [free_port(), free_port()],
+        "joins": [
+            {"zero_sync_steps": 2, "kill_after": 2, "kill_tp_rank": 1},
+            {"zero_sync_steps": 2, "active_steps": 3},
+        ],
+    }
+    _wait({f"core{r}": _run("core", {**tp2, "rank": r}, tp2_dir, f"core{r}") for r in range(2)}, tp2_dir)
+    # One static run serves the TP=1 cores: every step's batch depends on the step only.
     num_steps = max(
         len(torch.load(d / f"result_{m}.pt")["losses"])
         for d, m in ((elastic_dir, "core"), (agent_dir, "core_agent"), (dp2_dir, "core0"))
     )
-    static = {"model": model, "steps": num_steps, "out_dir": str(static_dir), "port": free_port()}
-    _wait(
-        {f"static{r}": _run("static", {**static, "rank": r}, static_dir, f"static{r}") for r in range(2)},
-        static_dir,
-    )
+    static = _static(model, num_steps, static_dir)
+    tp2_steps = len(torch.load(tp2_dir / "result_core0.pt")["losses"])
+    static_tp2 = _static(model, tp2_steps, root / "static_tp2", tp=2)
     return {
-        "static": torch.load(static_dir / "result_static.pt"),
+        "static": static,
+        "static_tp2": static_tp2,
+        "tp2": [torch.load(tp2_dir / f"result_core{r}.pt") for r in range(2)],
+        "tp2_hybrid": [torch.load(tp2_dir / f"result_hybrid_replica1_gen2_tp{r}.pt") for r in range(2)],
         "core": torch.load(elastic_dir / "result_core.pt"),
         "hybrid_gen2": torch.load(elastic_dir / "result_hybrid_gen2.pt"),
         "core_agent": torch.load(agent_dir / "result_core_agent.pt"),
@@ -280,3 +307,37 @@ def test_two_rank_core_takes_a_hybrid_per_rank(runs):
         for a, b in zip(ra, rb, strict=True)
     )
     assert diff <= TOL
+
+
+def test_tensor_parallel_hybrid_moves_as_one_replica(runs):
+    """Core replica TP=2, hybrid replicas TP=2: the two lanes of the core replica take every
+    transition at the same step; the first hybrid's TP rank 1 dies in its 2nd active step, core
+    rank 1 sees it and core rank 0 (whose peer was fine) rolls back with it, and the two fill the
+    share in together; the second hybrid is released in lockstep. Every step's loss equals the
+    static TP=2 DP=2 run's."""
+    rank0, rank1 = runs["tp2"]
+    static = runs["static_tp2"]["losses"]
+    print("states:", rank0["states"])
+    print("rollbacks:", rank0["rollbacks"], rank1["rollbacks"])
+    assert rank0["states"] == rank1["states"] and rank0["losses"] == rank1["losses"]
+    for phase in ("REQUESTED", "FETCHING_STATE", "ZERO_SYNC", "ACTIVE", "ROLLED_BACK", "RELEASED"):
+        assert phase in rank0["states"], phase
+    for i, (a, b) in enumerate(zip(rank0["losses"], static[: len(rank0["losses"])], strict=True)):
+        assert abs(a - b) <= TOL, (i, rank0["states"][i], a, b)
+    for i, state in enumerate(rank0["states"]):
+        if state == "ACTIVE" and rank0["states"][i + 1] == "ACTIVE":  # not the step it died in
+            assert rank0["payloads"][i] >= 2 and rank1["payloads"][i] >= 2, (i, rank0["payloads"])
+            assert rank0["shares"][i] == rank1["shares"][i] == (0, 2)
+    assert "grads" in rank1["rollbacks"][0] and "PeerLost" in rank1["rollbacks"][0]
+    assert "another rank of hybrid replica 1" in rank0["rollbacks"][0]
+    assert len(rank0["rollbacks"]) == len(rank1["rollbacks"]) == 1
+    assert rank0["filled_in"] == rank1["filled_in"] == 2
+    assert rank1["hybrid_exit_codes"] == [17, 0] and rank0["hybrid_exit_codes"][1] == 0
+    assert rank0["hybrid_exit_codes"][0] != 0  # its channel closed by the roll-back
+    for hybrid in runs["tp2_hybrid"]:  # both TP ranks of the released replica stayed in lockstep
+        diff = max(
+            abs(a - b)
+            for ra, rb in zip(rank0["logprobs_at_release"], hybrid["logprobs_end"], strict=True)
+            for a, b in zip(ra, rb, strict=True)
+        )
+        assert diff <= TOL

@@ -82,7 +82,7 @@ def test_growing_by_replicas_with_uneven_shares_is_an_elastic_join():
     grown = dataclasses.replace(
         launch, training=TrainingPlacement(grown_cfg), instances=instances, buckets=buckets
     )
-    elastic_problem = planning_problem(config, history, 2, uneven_data_parallel=True)
+    elastic_problem = planning_problem(config, history, 2, elastic=True)
     priced = evaluate_plan(elastic_problem, grown, config.train_factors, config.rollout_factors)
     # The largest share is still ceil(32/10) = 4 groups, as at DP 8: no faster (group-granular
     # shares pay only where ceil(G/DP) drops), only a slightly larger DP reduction.
