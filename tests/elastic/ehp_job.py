@@ -74,8 +74,7 @@ def run_static(spec: dict) -> None:
 
     from libra.training.parallel import shutdown
 
-    tp = spec.get("tp", 1)
-    engine = build_engine(spec, spec["rank"], 2 * tp, spec["port"], tp)
+    engine = build_engine(spec, spec["rank"], 2, spec["port"])
     losses = [engine.train_step(batch_for_step(step)).loss for step in range(spec["steps"])]
     if spec["rank"] == 0:
         torch.save({"losses": losses}, Path(spec["out_dir"]) / "result_static.pt")

@@ -11,8 +11,8 @@ rank fills in its share while rank 0 notices nothing, and replica 2 is released 
 A fourth run has a core replica of TP=2 (two ranks) and hybrid replicas of TP=2 (two processes
 each, rank t paired with core rank t): the first join loses its TP rank 1 in its 2nd active step,
 and both core ranks roll it back and fill its share in together; the second is released.
-A static DP=2 job on the same batches is the reference of the first three, a static TP=2 DP=2
-job that of the fourth.
+A static TP=1 DP=2 job on the same batches is the reference of all four (for the fourth, TP=1 is
+the reference of TP=2).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ _REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.multiprocess,
-    # Four elastic runs and two static runs in the module fixture: minutes on a busy 2-core machine.
+    # Four elastic runs and a static run in the module fixture: minutes on a busy 2-core machine.
     pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
@@ -72,11 +72,11 @@ def _wait(procs: dict[str, subprocess.Popen], out_dir: Path, timeout: float = 24
         raise AssertionError(f"{failed} failed:\n{logs}")
 
 
-def _static(model: str, steps: int, out_dir: Path, tp: int = 1) -> dict:
-    """A static TP=tp DP=2 job's results over `steps` steps."""
+def _static(model: str, steps: int, out_dir: Path) -> dict:
+    """A static DP=2 job's results over `steps` steps."""
     out_dir.mkdir()
-    spec = {"model": model, "tp": tp, "steps": steps, "out_dir": str(out_dir), "port": free_port()}
-    ranks = {f"static{r}": _run("static", {**spec, "rank": r}, out_dir, f"static{r}") for r in range(2 * tp)}
+    spec = {"model": model, "steps": steps, "out_dir": str(out_dir), "port": free_port()}
+    ranks = {f"static{r}": _run("static", {**spec, "rank": r}, out_dir, f"static{r}") for r in range(2)}
     _wait(ranks, out_dir)
     return torch.load(out_dir / "result_static.pt")
 
@@ -147,17 +147,14 @@ def runs(tmp_path_factory):
         ],
     }
     _wait({f"core{r}": _run("core", {**tp2, "rank": r}, tp2_dir, f"core{r}") for r in range(2)}, tp2_dir)
-    # One static run serves the TP=1 cores: every step's batch depends on the step only.
+    # One static run serves all: every step's batch depends on the step only.
     num_steps = max(
         len(torch.load(d / f"result_{m}.pt")["losses"])
-        for d, m in ((elastic_dir, "core"), (agent_dir, "core_agent"), (dp2_dir, "core0"))
+        for d, m in ((elastic_dir, "core"), (agent_dir, "core_agent"), (dp2_dir, "core0"), (tp2_dir, "core0"))
     )
     static = _static(model, num_steps, static_dir)
-    tp2_steps = len(torch.load(tp2_dir / "result_core0.pt")["losses"])
-    static_tp2 = _static(model, tp2_steps, root / "static_tp2", tp=2)
     return {
         "static": static,
-        "static_tp2": static_tp2,
         "tp2": [torch.load(tp2_dir / f"result_core{r}.pt") for r in range(2)],
         "tp2_hybrid": [torch.load(tp2_dir / f"result_hybrid_replica1_gen2_tp{r}.pt") for r in range(2)],
         "core": torch.load(elastic_dir / "result_core.pt"),
@@ -314,9 +311,9 @@ def test_tensor_parallel_hybrid_moves_as_one_replica(runs):
     transition at the same step; the first hybrid's TP rank 1 dies in its 2nd active step, core
     rank 1 sees it and core rank 0 (whose peer was fine) rolls back with it, and the two fill the
     share in together; the second hybrid is released in lockstep. Every step's loss equals the
-    static TP=2 DP=2 run's."""
+    static TP=1 DP=2 run's (the TP=1 reference of TP=2)."""
     rank0, rank1 = runs["tp2"]
-    static = runs["static_tp2"]["losses"]
+    static = runs["static"]["losses"]
     print("states:", rank0["states"])
     print("rollbacks:", rank0["rollbacks"], rank1["rollbacks"])
     assert rank0["states"] == rank1["states"] and rank0["losses"] == rank1["losses"]
