@@ -76,6 +76,7 @@ from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
 from libra.rollout.plan_control import PoolRolloutControl
 from libra.sim.trace import TrajectoryTrace
+from libra.training.hybrid import paired_core_rank
 from libra.training.hybrid_worker import hybrid_worker_argv
 
 if TYPE_CHECKING:
@@ -233,16 +234,16 @@ class RankHybridControl:
         self._stubs = [training_pb2_grpc.TrainRankStub(channel) for channel in self._channels]
 
     def hosts(self, replica: int) -> bool:
-        return 0 <= replica - len(self._stubs) < len(self._stubs)
+        return paired_core_rank(replica, len(self._stubs)) is not None
 
     def _lane(self, replica: int):
-        if not self.hosts(replica):
-            n = len(self._stubs)
+        rank, n = paired_core_rank(replica, len(self._stubs)), len(self._stubs)
+        if rank is None:
             raise RuntimeError(
                 f"no core rank pairs with hybrid replica {replica}: a core of {n} ranks takes "
                 f"replicas {n} to {2 * n - 1}"
             )
-        return self._stubs[replica - len(self._stubs)]
+        return self._stubs[rank]
 
     def request_join(self, replica: int) -> HybridJoin:
         reply = self._lane(replica).RequestJoin(self._pb.RequestJoinRequest(replica=replica), timeout=600)

@@ -71,6 +71,14 @@ from libra.trajectory import Trajectory
 if TYPE_CHECKING:
     from libra.training.engine import StepResult
 
+
+def paired_core_rank(replica: int, core_dp: int) -> int | None:
+    """The core DP rank whose lane hybrid replica `replica` joins (D + r pairs with r), or None
+    when no core rank of a core of DP = `core_dp` takes it."""
+    rank = replica - core_dp
+    return rank if 0 <= rank < core_dp else None
+
+
 _STATES = list(ReplicaState)
 """A state's number in the status the lanes of one replica exchange."""
 
@@ -190,11 +198,10 @@ class CoreLane:
     # -- requests (from the controller) ----------------------------------------------------------
 
     def request_join(self, replica: int) -> int:
-        slot = self.engine.info.dp_size + self.engine.info.dp_rank
-        if replica != slot:
+        rank, size = self.engine.info.dp_rank, self.engine.info.dp_size
+        if paired_core_rank(replica, size) != rank:
             raise ValueError(
-                f"core DP rank {self.engine.info.dp_rank} of {self.engine.info.dp_size} pairs with hybrid "
-                f"replica {slot}, not {replica}"
+                f"core DP rank {rank} of {size} pairs with hybrid replica {size + rank}, not {replica}"
             )
         self._generation = self.pool.request_join(replica, self.clock())
         self._replica = replica
