@@ -11,13 +11,19 @@ source to restore from if a later load fails midway).
 Raw files + mmap rather than multiprocessing.shared_memory: in Python 3.11 attaching to a segment
 registers it with the attaching process's resource tracker, which unlinks it when that process
 exits, under the publisher's feet.
+
+A publisher killed by SIGKILL cannot unlink its files. Names carry the publisher's pid and a
+random part, so a later publisher that got the same pid never collides with them, and each new
+publisher removes the files of publishers whose process is gone.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,14 +34,45 @@ from libra.sync.transport import BufferManifest, TransferError, WeightReceiver, 
 
 SHM_DIR = Path("/dev/shm")
 _SAFE_KEY = re.compile(r"[^A-Za-z0-9_.-]")
+_PUBLISHER_FILE = re.compile(r"libra-w(\d+)-")
+logger = logging.getLogger(__name__)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_orphaned_segments(directory: Path = SHM_DIR) -> int:
+    """Unlink the buffers of publishers whose process no longer exists; returns how many."""
+    removed = 0
+    for path in directory.glob("libra-w*"):
+        match = _PUBLISHER_FILE.match(path.name)
+        if match is None or _process_exists(int(match.group(1))):
+            continue
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass  # another publisher swept it first
+    if removed:
+        logger.info("removed %d shared-memory buffers left by exited publishers in %s", removed, directory)
+    return removed
 
 
 class ShmSender(WeightSender):
     kind = "shm"
 
     def __init__(self, prefix: str | None = None, directory: Path = SHM_DIR) -> None:
-        self.prefix = prefix or f"libra-w{os.getpid()}"
         self.directory = Path(directory)
+        if prefix is None:
+            remove_orphaned_segments(self.directory)
+        self.prefix = prefix or f"libra-w{os.getpid()}-{secrets.token_hex(4)}"
         self._buffers: dict[tuple[int, str], tuple[Path, mmap.mmap]] = {}
 
     def path(self, version: int, key: str) -> Path:

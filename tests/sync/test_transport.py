@@ -3,6 +3,9 @@ each transport delivers a published buffer byte for byte; the shm receiver's vie
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -99,6 +102,30 @@ def test_shm_delivers_and_isolates(published_inputs):
         verify_staged(again, manifest)  # an existing mapping survives the release
     finally:
         sender.close()
+
+
+def test_shm_publisher_removes_orphans_and_never_collides(tmp_path):
+    """A SIGKILLed publisher leaves its files; a new one whose pid is reused must neither fail on
+    them nor leave them, and must not touch a live publisher's files."""
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    orphan = tmp_path / f"libra-w{int(dead.stdout)}-v2-tp2_rank0"
+    live = tmp_path / f"libra-w{os.getpid()}-feedbeef-v2-tp2_rank0"
+    unrelated = tmp_path / "other-file"
+    for path in (orphan, live, unrelated):
+        path.write_bytes(b"x")
+    first, second = ShmSender(directory=tmp_path), ShmSender(directory=tmp_path)
+    try:
+        assert not orphan.exists()
+        assert live.exists() and unrelated.exists()
+        assert first.prefix != second.prefix
+        first.allocate(2, "tp2_rank0", 8)
+        second.allocate(2, "tp2_rank0", 8)  # same pid, version and key: different files
+    finally:
+        first.close()
+        second.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, unrelated.name])
 
 
 def test_grpc_delivers_and_refuses_unknown(published_inputs):
