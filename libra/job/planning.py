@@ -21,18 +21,19 @@ publishes plan events); the job feeds it and executes what it adopts:
 Every plan event (adopted, proposed, rejected, vetoed, each executed action) is mirrored from the
 controller's event log into the run's `events.jsonl`, where the report shows them.
 
-Training grows and shrinks through the elastic hybrid pool: when the core's ranks are TP = PP = 1
-each of its D ranks hosts a lane of the pool (hybrid replica D + r pairs with core rank r, so up
-to D hybrids), a plan's JoinHybridReplica starts a hybrid replica through the node agent on the
-devices rollout gave up (its core rank's RequestJoin / RequestRelease RPCs), and the job follows
-every lane's state each step (`hybrid_*` events); a replica that rolled back (its process died, a
+Training grows and shrinks through the elastic hybrid pool: when the core has PP = 1 each of its
+ranks hosts a lane of the pool (hybrid replica D + r pairs with core DP replica r, so up to D
+hybrids, each of the core's TP = T), a plan's JoinHybridReplica starts a hybrid replica through
+the node agent on the T devices rollout gave up (one worker, T processes; RequestJoin /
+RequestRelease RPCs to the T ranks of its core replica), and the job follows each running
+replica's lane state each step (`hybrid_*` events); a replica that rolled back (a process died, a
 timeout) is retired and the planner reconciled, while the core keeps training.
 
 Node loss: an instance whose node agent was lost is not restarted; the plan loses it, the planner
 is reconciled, and plans that would start a worker on a lost agent's devices are refused.
 
 What the job cannot carry out is refused before anything runs, and the planner reconciled to the
-running layout: hybrid moves when the core has TP or PP > 1, or more hybrids than core ranks.
+running layout: hybrid moves when the core has PP > 1, or more hybrids than core DP replicas.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from libra.job.training_restart import JobTrainingRestart
 from libra.planner.actions import ActionExecutor, ExecutionReport, describe_action
 from libra.planner.config import (
     ClusterSpec,
-    HybridPoolLimits,
     ModelArch,
     PlanningProblem,
     RequestRecord,
@@ -76,7 +76,7 @@ from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
 from libra.rollout.plan_control import PoolRolloutControl
 from libra.sim.trace import TrajectoryTrace
-from libra.training.hybrid import paired_core_rank
+from libra.training.hybrid import HYBRID_POOL_LIMITS, paired_core_rank
 from libra.training.hybrid_worker import hybrid_worker_argv
 
 if TYPE_CHECKING:
@@ -108,13 +108,14 @@ def model_arch(model_dir: Path, dtype: str) -> ModelArch:
 
 
 def cluster_spec(devices_per_agent: int, num_agents: int, profile) -> ClusterSpec:
-    """Agents as planner nodes when they hold a power of two devices each (the 4-slot CPU default:
-    one node of 4); otherwise (e.g. 3 slots) every device is its own node, which keeps the
-    planner's numbering (node-major, device d = the d-th device of the agents laid end to end) and
-    restricts rollout to TP-1."""
-    if devices_per_agent >= 1 and devices_per_agent & (devices_per_agent - 1) == 0:
-        return ClusterSpec(num_agents, devices_per_agent, profile)
-    return ClusterSpec(num_agents * devices_per_agent, 1, profile)
+    """Planner nodes of the largest power of two that divides an agent's devices: an agent of a
+    power of two is one node (the 4-slot CPU default: one node of 4), one of 6 is three nodes of 2,
+    one of 3 three nodes of 1 (rollout and training TP 1 only). That keeps the planner's numbering
+    (node-major, device d = the d-th device of the agents laid end to end)."""
+    if devices_per_agent < 1:
+        raise ValueError(f"an agent must hold at least one device, got {devices_per_agent}")
+    node = devices_per_agent & -devices_per_agent
+    return ClusterSpec(num_agents * devices_per_agent // node, node, profile)
 
 
 def request_record(trace: TrajectoryTrace) -> RequestRecord:
@@ -149,7 +150,7 @@ def planning_problem(config: LibraConfig, job: JobConfig, model_dir: Path) -> Pl
         ),
         history=(RequestRecord(turn, turn),),
         # What `libra.training.hybrid` pairs: training grows past it by a restart.
-        config=dataclasses.replace(config.planner, hybrid_pool=HybridPoolLimits(1, 1)),
+        config=dataclasses.replace(config.planner, hybrid_pool=HYBRID_POOL_LIMITS),
     )
 
 
@@ -179,9 +180,7 @@ class JobLauncher:
 
     def rollout_instance(self, action: StartRolloutInstance) -> LaunchSpec:
         cluster = self.workers.cluster
-        agent_id, _ = DeviceMap.from_cluster_state(cluster.controller.cluster.snapshot()).locate(
-            action.devices
-        )
+        agent_id, _ = cluster.device_map().locate(action.devices)
         self._count += 1
         address_file = self.workers.run_dir / f"plan-{action.instance_id}-{self._count}.addr"
         self.ready_files[action.instance_id] = address_file
@@ -199,7 +198,7 @@ class JobLauncher:
         ready_file = workers.run_dir / f"hybrid-{action.replica}-g{join.generation}-{self._count}.ready"
         argv = hybrid_worker_argv(
             str(workers.model_dir),
-            join.lane_address,
+            join.lane_addresses,
             action.replica,
             join.generation,
             training_json(workers.config.training),
@@ -211,54 +210,90 @@ class JobLauncher:
 
 
 class NoHybridLane:
-    """`HybridControl` of a core whose ranks host no hybrid lane (TP or PP > 1): plans that
-    move hybrid replicas are refused before execution, so reaching any method is a bug."""
+    """`HybridControl` of a core whose ranks host no hybrid lane (PP > 1): plans that move hybrid
+    replicas are refused before execution, so reaching any method is a bug."""
 
     def _refuse(self, *args, **kwargs):
-        raise RuntimeError("the core training layout hosts no hybrid lane (its ranks are TP or PP > 1)")
+        raise RuntimeError("the core training layout hosts no hybrid lane (its ranks are PP > 1)")
 
     request_join = cancel_join = request_release = _refuse
 
 
 class RankHybridControl:
     """`HybridControl` over the core train ranks' RPCs (RequestJoin, CancelJoin, RequestRelease):
-    hybrid replica D + r goes to core rank r's lane; plus the lanes' states for the job to
-    follow."""
+    hybrid replica D + r pairs with core DP replica r, whose T TP ranks (Megatron ranks r*T ..
+    r*T + T - 1 at PP 1) each host a lane, and every request goes to all T of them; plus the
+    lanes' states for the job to follow."""
 
-    def __init__(self, addresses: list[str], token: str, control):
+    def __init__(self, addresses: list[str], tensor_parallel: int, token: str, control):
         from libra.control.auth import open_channel
         from libra.v1 import training_pb2, training_pb2_grpc
 
+        if tensor_parallel < 1 or len(addresses) % tensor_parallel:
+            raise ValueError(f"{len(addresses)} core ranks do not form replicas of TP = {tensor_parallel}")
         self._pb = training_pb2
+        self._tp = tensor_parallel
         self._channels = [open_channel(address, token, control) for address in addresses]
         self._stubs = [training_pb2_grpc.TrainRankStub(channel) for channel in self._channels]
 
-    def hosts(self, replica: int) -> bool:
-        return paired_core_rank(replica, len(self._stubs)) is not None
+    @property
+    def core_replicas(self) -> int:
+        return len(self._stubs) // self._tp
 
-    def _lane(self, replica: int):
-        rank, n = paired_core_rank(replica, len(self._stubs)), len(self._stubs)
-        if rank is None:
+    def hosts(self, replica: int) -> bool:
+        return paired_core_rank(replica, self.core_replicas) is not None
+
+    def _lanes(self, replica: int) -> list:
+        """The stubs of the core replica's TP ranks, in TP order."""
+        core, n = paired_core_rank(replica, self.core_replicas), self.core_replicas
+        if core is None:
             raise RuntimeError(
-                f"no core rank pairs with hybrid replica {replica}: a core of {n} ranks takes "
+                f"no core replica pairs with hybrid replica {replica}: a core of {n} DP replicas takes "
                 f"replicas {n} to {2 * n - 1}"
             )
-        return self._stubs[rank]
+        return self._stubs[core * self._tp : (core + 1) * self._tp]
 
     def request_join(self, replica: int) -> HybridJoin:
-        reply = self._lane(replica).RequestJoin(self._pb.RequestJoinRequest(replica=replica), timeout=600)
-        return HybridJoin(reply.generation, reply.lane_address)
+        """Opens the join on every lane of the core replica. The lanes of one replica must agree on
+        the generation; one that missed an earlier request (its RPC failed) is brought up to the
+        others' by cancelled joins. A lane that refuses rolls back the ones that accepted."""
+        accepted: list[tuple[object, int, str]] = []
+        try:
+            for stub in self._lanes(replica):
+                reply = self._request(stub, replica)
+                accepted.append((stub, reply.generation, reply.lane_address))
+            newest = max(generation for _, generation, _ in accepted)
+            for i, (stub, generation, address) in enumerate(accepted):
+                while generation < newest:
+                    self._cancel(stub, replica, generation, "catching up with the replica's other lanes")
+                    generation = self._request(stub, replica).generation
+                    accepted[i] = (stub, generation, address)
+        except Exception:
+            for stub, generation, _ in accepted:
+                self._cancel(stub, replica, generation, "another lane of the core replica refused the join")
+            raise
+        return HybridJoin(newest, tuple(address for _, _, address in accepted))
+
+    def _request(self, stub, replica: int):
+        return stub.RequestJoin(self._pb.RequestJoinRequest(replica=replica), timeout=600)
+
+    def _cancel(self, stub, replica: int, generation: int, reason: str) -> None:
+        request = self._pb.CancelJoinRequest(replica=replica, generation=generation, reason=reason)
+        stub.CancelJoin(request, timeout=600)
 
     def cancel_join(self, replica: int, generation: int, reason: str) -> None:
-        request = self._pb.CancelJoinRequest(replica=replica, generation=generation, reason=reason)
-        self._lane(replica).CancelJoin(request, timeout=600)
+        for stub in self._lanes(replica):
+            self._cancel(stub, replica, generation, reason)
 
     def request_release(self, replica: int) -> None:
-        self._lane(replica).RequestRelease(self._pb.RequestReleaseRequest(replica=replica), timeout=600)
+        for stub in self._lanes(replica):
+            stub.RequestRelease(self._pb.RequestReleaseRequest(replica=replica), timeout=600)
 
-    def states(self) -> list:
-        """Every lane's HybridStateReply (replica, generation, state name, counters), by rank."""
-        return [stub.GetHybridState(self._pb.GetHybridStateRequest(), timeout=60) for stub in self._stubs]
+    def states(self, replicas) -> list:
+        """The HybridStateReply (replica, generation, state name, counters) of each of `replicas`:
+        its core replica's TP rank 0 lane speaks for all (the lanes of a replica agree)."""
+        request = self._pb.GetHybridStateRequest()
+        return [self._lanes(replica)[0].GetHybridState(request, timeout=60) for replica in replicas]
 
     def close(self) -> None:
         for channel in self._channels:
@@ -314,7 +349,7 @@ class JobPlanning:
         self._pending_reconcile = ""
         """Why the planner must be reconciled at the next step boundary ("" : no need)."""
         self._lane_seen: dict[int, tuple[int, str]] = {}
-        """Core rank -> (generation, state) of its lane as last recorded."""
+        """Hybrid replica -> (generation, state) of its lanes as last recorded."""
         self.executor = ActionExecutor(
             self._client,
             self.rollout,
@@ -333,7 +368,12 @@ class JobPlanning:
         workers = self.workers
         self._lane_seen = {}
         self.hybrids = (
-            RankHybridControl(workers.train_addresses, workers.token, workers.config.control)
+            RankHybridControl(
+                workers.train_addresses,
+                workers.config.training.tensor_parallel,
+                workers.token,
+                workers.config.control,
+            )
             if getattr(workers, "hosts_hybrid_lane", False)
             else None
         )
@@ -485,7 +525,7 @@ class JobPlanning:
             pool=self.workers.planning_problem.config.hybrid_pool,
         )
         refused = unsupported(actions, self.hybrids)
-        devices = DeviceMap.from_cluster_state(self.workers.cluster.controller.cluster.snapshot())
+        devices = self.workers.cluster.device_map()
         dead = [a for a in actions if any(not devices.usable(d) for d in _devices_started(a))]
         if dead:
             self.recorder.event(
@@ -572,16 +612,16 @@ class JobPlanning:
         if self.hybrids is None or not self.executor.running_hybrids():
             return
         try:
-            lanes = await asyncio.to_thread(self.hybrids.states)
+            lanes = await asyncio.to_thread(self.hybrids.states, sorted(self.executor.running_hybrids()))
         except Exception as e:  # noqa: BLE001 - a core rank busy or gone: look again next step
             logger.warning("hybrid lane state unavailable: %s", e)
             return
-        for rank, lane in enumerate(lanes):
-            await self._follow(rank, lane)
+        for lane in lanes:
+            await self._follow(lane)
 
-    async def _follow(self, rank: int, lane) -> None:
-        if (lane.generation, lane.state) != self._lane_seen.get(rank, (0, "")):
-            self._lane_seen[rank] = (lane.generation, lane.state)
+    async def _follow(self, lane) -> None:
+        if (lane.generation, lane.state) != self._lane_seen.get(lane.replica, (0, "")):
+            self._lane_seen[lane.replica] = (lane.generation, lane.state)
             self.recorder.event(
                 f"hybrid_{lane.state.lower()}",
                 f"hybrid replica {lane.replica} (generation {lane.generation}) is {lane.state}",

@@ -24,6 +24,8 @@ from libra.rollout import AgentLoop, InstanceClient, InstancePool, InstanceUnava
 from libra.scheduler import CmlfqRouter, LeastLoadRouter, RoundRobinRouter
 from libra.sync import VersionLedger
 from libra.sync.load_request import LoadRequest
+from libra.training.config import TrainingConfig
+from libra.training.hybrid import HYBRID_POOL_LIMITS
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +170,11 @@ class JobWorkers:
     @property
     def hosts_hybrid_lane(self) -> bool:
         """Every train rank hosts a lane of the elastic hybrid pool: the planner runs and the
-        core's ranks are TP = PP = 1 (what `libra.training.hybrid` supports)."""
+        core's layout is one `libra.training.hybrid` pairs with (PP = 1)."""
         training = self.config.training
-        return self.job.planner and training.tensor_parallel == training.pipeline_parallel == 1
+        return self.job.planner and HYBRID_POOL_LIMITS.allows(
+            training.data_parallel, training.pipeline_parallel, 1
+        )
 
     def _planning_problem(self):
         """The planner's problem for the controller to serve (None: `job.planner` is off)."""
@@ -180,10 +184,25 @@ class JobWorkers:
 
         return planning_problem(self.config, self.job, self.model_dir)
 
-    def start_train_ranks(self, placements) -> list[str]:
-        """Starts one train rank per placement in the layout of `config.training`, waits until
-        they serve, and makes them the job's trainer. The ranks of a training restart are a new
-        generation (worker ids are never reused)."""
+    def train_layout(self) -> tuple[TrainingConfig, list[Placement]]:
+        """The running training layout: its config and each rank's placement, in rank order."""
+        return self.config.training, [self.cluster.workers[w] for w in self.train_worker_ids]
+
+    def stop_train_ranks(self) -> None:
+        """Closes the trainer and stops every train rank started last (also a layout that came up
+        only in part); their devices are free afterwards."""
+        if hasattr(self, "trainer"):
+            self.trainer.close()
+        for worker_id in self.train_worker_ids:
+            self.cluster.stop_worker(worker_id)
+
+    def start_train_ranks(self, placements, training: TrainingConfig | None = None) -> list[str]:
+        """Starts one train rank per placement in the layout of `training` (which becomes the
+        job's; default: `config.training`), waits until they serve, and makes them the job's
+        trainer. The ranks of a training restart are a new generation (worker ids are never
+        reused)."""
+        if training is not None:
+            self.config.training = training
         training = self.config.training
         self._train_generation += 1
         prefix = "train" if self._train_generation == 1 else f"train-g{self._train_generation}"

@@ -16,7 +16,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from libra.job.workers import Placement
-from libra.planner.device_map import DeviceMap
 from libra.planner.diff import RestartTraining
 
 if TYPE_CHECKING:
@@ -45,28 +44,25 @@ class JobTrainingRestart:
         return self._checkpoint
 
     def stop_training(self) -> None:
-        workers = self.workers
-        self._old = (workers.config.training, [workers.cluster.workers[w] for w in workers.train_worker_ids])
-        workers.trainer.close()
-        for worker_id in workers.train_worker_ids:
-            workers.cluster.stop_worker(worker_id)
+        self._old = self.workers.train_layout()
+        self.workers.stop_train_ranks()
 
     def start_training(self, layout: RestartTraining) -> None:
         """One rank per device of `layout.new_devices`, in order."""
         workers = self.workers
-        devices = DeviceMap.from_cluster_state(workers.cluster.controller.cluster.snapshot())
+        devices = workers.cluster.device_map()
         placements = []
         for device in layout.new_devices:
             agent_id, local = devices.locate((device,))
             placements.append(Placement(agent_id, tuple(local)))
-        workers.config.training = dataclasses.replace(
+        training = dataclasses.replace(
             workers.config.training,
             tensor_parallel=layout.tp,
             pipeline_parallel=layout.pp,
             data_parallel=layout.dp,
         )
         try:
-            workers.start_train_ranks(placements)
+            workers.start_train_ranks(placements, training)
         except Exception as e:
             self._back_to_old_layout(e)
             raise RuntimeError(
@@ -85,9 +81,7 @@ class JobTrainingRestart:
     def _back_to_old_layout(self, error: Exception) -> None:
         workers = self.workers
         logger.error("training restart %d failed, restoring the old layout: %s", self._count, error)
-        for worker_id in workers.train_worker_ids:
-            workers.cluster.stop_worker(worker_id)
+        workers.stop_train_ranks()
         training, placements = self._old
-        workers.config.training = training
-        workers.start_train_ranks(placements)
+        workers.start_train_ranks(placements, training)
         self.load_checkpoint(self._checkpoint)

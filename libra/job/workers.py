@@ -27,6 +27,7 @@ from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller, WorkerRole, WorkerSpec, WorkerState
 from libra.control.types import AgentState
 from libra.job.config import JobConfig
+from libra.planner.device_map import DeviceMap
 from libra.training.config import TrainingConfig
 
 
@@ -144,6 +145,10 @@ class JobCluster:
             f"free devices per agent: {free} "
             "(raise backend.num_devices, or use fewer rollout instances / a smaller training.tensor_parallel)"
         )
+
+    def device_map(self) -> DeviceMap:
+        """The agents' devices as the planner numbers them, from the controller's current state."""
+        return DeviceMap.from_cluster_state(self.controller.cluster.snapshot())
 
     def agent_alive(self, agent_id: str) -> bool:
         return any(

@@ -315,6 +315,12 @@ class ActionExecutor:
             )
         join = self.hybrid_control.request_join(action.replica)
         try:
+            if len(join.lane_addresses) != len(action.devices):
+                raise ValueError(
+                    f"hybrid replica {action.replica} was planned on {len(action.devices)} device(s), but "
+                    f"its core replica has TP = {len(join.lane_addresses)}: a hybrid runs one rank per "
+                    "core TP rank"
+                )
             spec = self.launcher.hybrid_replica(action, join)
             worker_id = self._start_worker(
                 f"hybrid-{action.replica}-g{join.generation}", WorkerRole.TRAIN, action.devices, spec
@@ -329,7 +335,7 @@ class ActionExecutor:
             self.hybrid_control.cancel_join(action.replica, join.generation, f"worker not ready: {e}")
             raise
         self._hybrids[action.replica] = RunningWorker(worker_id, action.devices, generation=join.generation)
-        return f"worker {worker_id}, generation {join.generation}, lane {join.lane_address}"
+        return f"worker {worker_id}, generation {join.generation}, lanes {', '.join(join.lane_addresses)}"
 
     def _release(self, action: ReleaseHybridReplica) -> str:
         hybrid = self._hybrids.get(action.replica)

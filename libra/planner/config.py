@@ -231,7 +231,7 @@ class SearchConfig:
     normalised by the global token count, are added to a core replica's before the DP
     all-reduce, so shares need not be equal). Off by default: a layout launched or restarted as
     Megatron DP groups gives every rank the same number of groups, and the job's hybrid pool
-    today joins at most one replica per core rank, to a core of TP = PP = 1; the simulator turns
+    joins at most one replica per core replica, to a core of PP = 1; the simulator turns
     it on for policies that have the k-replica pool (`libra.sim.pools.planning_problem`)."""
     relative_tolerance: float = 1e-9
     """The search's result is within this relative distance of the optimum (bisection stop)."""
@@ -342,26 +342,29 @@ class HybridPoolLimits:
     """What the runtime's elastic hybrid pool can pair with the core: a plan that grows training
     beyond it restarts training instead of joining hybrid replicas (`libra.planner.diff`), and is
     priced as a restart. The defaults bound nothing: the design's k-replica pool (the simulator).
-    The job sets what `libra.training.hybrid` supports: one hybrid per core rank, on a core whose
-    replicas are one rank (TP = PP = 1)."""
+    The job sets what `libra.training.hybrid` supports (`HYBRID_POOL_LIMITS`): one hybrid per core
+    replica, on a core of PP = 1 (any TP)."""
 
     per_core_replica: int | None = None
     """Most hybrid replicas per core replica (None: no bound)."""
-    max_core_model_parallel: int | None = None
-    """Largest TP x PP of a core replica that takes hybrid replicas (None: any)."""
+    max_core_pipeline_parallel: int | None = None
+    """Largest PP of a core replica that takes hybrid replicas (None: any)."""
 
     def __post_init__(self) -> None:
-        for name in ("per_core_replica", "max_core_model_parallel"):
+        for name in ("per_core_replica", "max_core_pipeline_parallel"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"planner.hybrid_pool.{name} must be >= 0 or None, got {value}")
 
-    def allows(self, core_replicas: int, core_model_parallel: int, hybrids: int) -> bool:
-        """Whether `hybrids` replicas may join a core of `core_replicas` replicas of TP x PP =
-        `core_model_parallel`."""
+    def allows(self, core_replicas: int, core_pipeline_parallel: int, hybrids: int) -> bool:
+        """Whether `hybrids` replicas may join a core of `core_replicas` replicas of PP =
+        `core_pipeline_parallel`."""
         if hybrids == 0:
             return True
-        if self.max_core_model_parallel is not None and core_model_parallel > self.max_core_model_parallel:
+        if (
+            self.max_core_pipeline_parallel is not None
+            and core_pipeline_parallel > self.max_core_pipeline_parallel
+        ):
             return False
         return self.per_core_replica is None or hybrids <= self.per_core_replica * core_replicas
 

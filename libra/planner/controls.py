@@ -40,10 +40,15 @@ class LaunchSpec:
 @dataclass(frozen=True)
 class HybridJoin:
     """What the core answers to a join request: the join's generation (events of older
-    generations are ignored) and the address of the core rank's lane the replica connects to."""
+    generations are ignored) and the addresses of the lanes the replica connects to, one per TP
+    rank of the core replica it pairs with (TP rank t of the replica connects to the t-th)."""
 
     generation: int
-    lane_address: str
+    lane_addresses: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.lane_addresses:
+            raise ValueError("HybridJoin needs the address of at least one lane")
 
 
 @runtime_checkable

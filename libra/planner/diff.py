@@ -95,7 +95,7 @@ def _elastic_compatible(old: Plan, new: Plan, pool: HybridPoolLimits) -> bool:
         == (b.config.tp, b.config.pp, b.config.micro_batch, b.first_device)
         and b.config.dp >= core
         and a.core_replicas == tuple(range(core))
-        and pool.allows(core, a.config.tp * a.config.pp, b.config.dp - core)
+        and pool.allows(core, a.config.pp, b.config.dp - core)
     )
 
 

@@ -52,6 +52,8 @@ class Adoption:
     plan: Plan
     version: int
     actions: tuple[Action, ...]
+    reason: str
+    """What its `applied` event says: why the planner adopted it and the predicted step."""
 
 
 class Planner:
@@ -188,10 +190,9 @@ class Planner:
         self.current = plan
         self._calibration.restart()
         self.version += 1
-        self._emit(
-            "applied", f"v{self.version}: {why}; step {plan.predicted_step_s:.3f} s, {len(actions)} actions"
-        )
-        return Adoption(plan, self.version, tuple(actions))
+        reason = f"v{self.version}: {why}; step {plan.predicted_step_s:.3f} s, {len(actions)} actions"
+        self._emit("applied", reason)
+        return Adoption(plan, self.version, tuple(actions), reason)
 
     def _why(self, decision: ApplyDecision) -> str:
         return (

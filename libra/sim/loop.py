@@ -128,8 +128,6 @@ class PolicyRun:
         self.plans_rejected = 0
         self.search_s: list[float] = []
         self.notes: list[str] = []
-        self._applied_because = ""
-        """The planner's reason for the plan it adopted last (its `applied` event)."""
         self.planner: Planner | None = None
         self.current_plan = layout.plan
         self.bucket_tps, self.thresholds = layout.bucket_tps, layout.thresholds
@@ -445,8 +443,6 @@ class AsyncRun(PolicyRun):
         if event.kind == "rejected":  # the trigger's reason and the planner's rule
             self.plans_rejected += 1
             self.notes.append(f"step {self.step}: re-plan rejected by the planner: {event.message}")
-        if event.kind == "applied":
-            self._applied_because = event.message
 
     def _observe(self, train_s: float, rollout_s: float) -> None:
         planner = self.planner
@@ -473,7 +469,7 @@ class AsyncRun(PolicyRun):
         costs = self.config.costs
         cost = costs.restart_training_s if restart else costs.hybrid_join_s + costs.instance_start_s
         planner.record_reconfiguration(cost, restart=restart)
-        self.notes.append(f"step {self.step}: re-plan applied by the planner: {self._applied_because}")
+        self.notes.append(f"step {self.step}: re-plan applied by the planner: {adoption.reason}")
         self._apply(adoption.plan, restart)
 
     def _apply(self, plan, restart: bool) -> None:

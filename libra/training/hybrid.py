@@ -39,8 +39,8 @@ they exchange their status (an all-gather over the core replica's TP group) and 
 transitions, and each payload a lane waits for is agreed over that group, so a failure seen by
 any of them rolls all of them back and the whole core replica fills the share in together.
 
-Scope: PP = 1 (a pipeline hybrid would pair stage by stage, and a fill-in would need the core
-replica's whole pipeline; not implemented).
+Scope (`HYBRID_POOL_LIMITS`, what the planner is told): PP = 1 (a pipeline hybrid would pair
+stage by stage, and a fill-in would need the core replica's whole pipeline; not implemented).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from libra.planner.config import HybridPoolLimits
 from libra.planner.controls import HybridJoin
 from libra.planner.elastic import TERMINAL_STATES, ElasticConfig, HybridPool, PayloadHeader, ReplicaState
 from libra.training.grad_channel import (
@@ -70,6 +71,11 @@ from libra.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from libra.training.engine import StepResult
+
+
+HYBRID_POOL_LIMITS = HybridPoolLimits(per_core_replica=1, max_core_pipeline_parallel=1)
+"""What the lanes pair: one hybrid replica per core DP replica, with the core's TP, on a core of
+PP = 1. A plan that grows training past it restarts training instead."""
 
 
 def paired_core_rank(replica: int, core_dp: int) -> int | None:
@@ -153,7 +159,7 @@ class CoreLane:
         clock: Callable[[], float] = time.monotonic,
         host: str = "127.0.0.1",
     ):
-        if engine.info.pp_size != 1:
+        if not HYBRID_POOL_LIMITS.allows(engine.info.dp_size, engine.info.pp_size, 1):
             raise ValueError(
                 f"the elastic hybrid pool runs with a core of PP=1 for now, got PP={engine.info.pp_size}"
             )
@@ -583,7 +589,7 @@ class LaneControl:
 
     def request_join(self, replica: int) -> HybridJoin:
         with self._lock:
-            return HybridJoin(self.lane.request_join(replica), self.lane.address)
+            return HybridJoin(self.lane.request_join(replica), (self.lane.address,))
 
     def cancel_join(self, replica: int, generation: int, reason: str) -> None:
         with self._lock:

@@ -164,7 +164,7 @@ class TrainRankServicer:
     def _lane(self):
         if self.lane is None:
             raise RuntimeError(
-                "this train rank hosts no hybrid lane (start it with --elastic; a core of TP=PP=1)"
+                "this train rank hosts no hybrid lane (start it with --elastic; a core of PP=1)"
             )
         return self.lane
 
@@ -179,7 +179,7 @@ class TrainRankServicer:
             raise InvalidArgument(str(e)) from e
         # The job joins to train: the replica activates as soon as it holds the state.
         lane.lane.request_activation()
-        return training_pb2.RequestJoinReply(generation=join.generation, lane_address=join.lane_address)
+        return training_pb2.RequestJoinReply(generation=join.generation, lane_address=join.lane_addresses[0])
 
     @rpc_errors
     def CancelJoin(self, request, context):
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--elastic",
         default=None,
-        help="JSON object of ElasticConfig fields: host a lane of the elastic hybrid pool (TP=PP=1 only)",
+        help="JSON object of ElasticConfig fields: host a lane of the elastic hybrid pool (PP=1 only)",
     )
     args = parser.parse_args(argv)
     configure_logging(f"train-rank-{args.rank}")

@@ -60,7 +60,7 @@ class Launcher:
         tag = f"hybrid{action.replica}-g{join.generation}"
         argv = hybrid_worker_argv(
             self.spec["model"],
-            join.lane_address,
+            join.lane_addresses,
             action.replica,
             join.generation,
             json.dumps(raw),

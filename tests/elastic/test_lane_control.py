@@ -34,10 +34,10 @@ def control():
     lane.listener.close()
 
 
-def test_join_answers_generation_and_lane_address(control):
+def test_join_answers_generation_and_lane_addresses(control):
     assert isinstance(control, HybridControl)
     join = control.request_join(1)
-    assert join == HybridJoin(1, control.lane.address)
+    assert join == HybridJoin(1, (control.lane.address,))
     assert control.lane.state() is ReplicaState.REQUESTED
     state, _ = control.run_step(0, [])  # no hybrid connected: the core steps on
     assert state is ReplicaState.REQUESTED and control.lane.engine.steps == [0]

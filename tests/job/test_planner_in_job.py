@@ -1,16 +1,17 @@
 """The planner and the elastic hybrid pool inside a short run of the embedded default
-(configs/tiny_cpu.py on 4 CPU slots: a core of two train ranks, DP 2, on devices 0 and 1, TP-1
-instances on devices 2 and 3), with a fault.
+(configs/tiny_cpu.py on 6 CPU slots: a core replica of TP 2 on devices 0 and 1, TP-1 instances on
+devices 2, 3 and 4, device 5 idle), with a fault.
 
 The launch layout is the planner's current plan. An external controller follows the run through
-the gRPC API and proposes (`ProposePlan`) a plan that moves device 2 from rollout to training: the
-job drains the instance there and hybrid DP replica 2 joins on it (started through the node agent,
-following core rank 0's lane: FETCHING_STATE, then ACTIVE, training one of three DP shares). Once
-it is ACTIVE the test SIGKILLs it. The core must roll it back and keep training with no step lost
-(rank 0 fills the replica's share in); the job retires the replica and reconciles the planner, and
-a last proposed plan gives device 2 back to rollout (a new instance, brought to the current
-weights). No trajectory may be lost, and the plan decisions, executed actions and hybrid states
-must be in the run's events and its report.
+the gRPC API and proposes (`ProposePlan`) a plan that moves devices 2 and 3 from rollout to
+training: the job drains the instances there and hybrid DP replica 1 of TP 2 joins on them (one
+worker started through the node agent, two processes, each TP rank following the lane of the core
+rank of its TP rank: FETCHING_STATE, then ACTIVE, training one of two DP shares). Once it is
+ACTIVE the test SIGKILLs its TP rank 1 only. The core must roll the whole replica back and keep
+training with no step lost (both core ranks fill the replica's share in); the job retires the
+replica and reconciles the planner, and a last proposed plan gives devices 2 and 3 back to rollout
+(new instances, brought to the current weights). No trajectory may be lost, and the plan
+decisions, executed actions and hybrid states must be in the run's events and its report.
 
 Needs the cached warm-started policy (`tests/job/test_default_run.py`), about 5 GB and about three
 minutes (the hybrid's engine and the new instance start on a busy 2-core machine).
@@ -44,24 +45,22 @@ OVERRIDES = [
     f"job.prompts_per_step={BATCH // GROUP}",
     f"job.group_size={GROUP}",
     f"training.train_batch_size={BATCH}",
-    # A core of two ranks, so the hybrid's gradients join a core rank's before the core's DP
-    # all-reduce; TP-1 instances start faster than the default's TP-2 one.
-    "backend.num_devices=4",
-    "training.data_parallel=2",
-    "job.rollout_tp_sizes=1,1",
-    # Three replicas share the batch's four groups 2/1/1: the hybrid pool makes that possible.
-    "planner.search.uneven_data_parallel=true",
+    # A core replica of TP 2, so the hybrid is two processes whose lanes must move as one; TP-1
+    # instances start faster than the default's TP-2 one.
+    "backend.num_devices=6",
+    "training.tensor_parallel=2",
+    "job.rollout_tp_sizes=1,1,1",
 ]
-HYBRID_DEVICE = 2
+HYBRID_DEVICES = [2, 3]
 
 
 def _with_hybrid(launch: planner_pb2.Plan) -> planner_pb2.Plan:
-    """Device 2 trains: DP 3 (replica 2 on device 2), rollout keeps device 3."""
+    """Devices 2 and 3 train: DP 2 (replica 1 on them), rollout keeps device 4."""
     plan = planner_pb2.Plan()
     plan.CopyFrom(launch)
-    plan.training.dp = 3
+    plan.training.dp = 2
     del plan.instances[:]
-    plan.instances.extend(i for i in launch.instances if list(i.devices) == [HYBRID_DEVICE + 1])
+    plan.instances.extend(i for i in launch.instances if list(i.devices) == [4])
     plan.buckets[0].num_instances = 1
     return plan
 
@@ -75,7 +74,7 @@ def _external_controller(run_dir: Path, driver: dict) -> None:
     launch = stub.GetPlan(planner_pb2.GetPlanRequest()).current
     driver["launch"] = launch
     driver["join"] = stub.ProposePlan(
-        planner_pb2.ProposePlanRequest(plan=_with_hybrid(launch), reason="test: device 2 trains")
+        planner_pb2.ProposePlanRequest(plan=_with_hybrid(launch), reason="test: devices 2-3 train")
     )
     if not wait_for(lambda: any(e["kind"] == "hybrid_active" for e in _events(run_dir)), driver):
         return
@@ -85,14 +84,17 @@ def _external_controller(run_dir: Path, driver: dict) -> None:
         hybrid = next(
             w
             for w in client.cluster_state().workers
-            if w.spec.worker_id.startswith("hybrid-2") and not w.state.ended
+            if w.spec.worker_id.startswith("hybrid-1") and not w.state.ended
         )
-    os.killpg(hybrid.pid, signal.SIGKILL)
+    # The worker's process is TP rank 0; its child is TP rank 1, the one that dies.
+    children = Path(f"/proc/{hybrid.pid}/task/{hybrid.pid}/children").read_text().split()
+    driver["tp_ranks"] = 1 + len(children)
+    os.kill(int(children[0]), signal.SIGKILL)
     driver["killed"] = hybrid.spec.worker_id
     if not wait_for(lambda: any(e["kind"] == "hybrid_retired" for e in _events(run_dir)), driver):
         return
     driver["back"] = stub.ProposePlan(
-        planner_pb2.ProposePlanRequest(plan=launch, reason="test: device 2 rolls out again")
+        planner_pb2.ProposePlanRequest(plan=launch, reason="test: devices 2-3 roll out again")
     )
     channel.close()
 
@@ -113,28 +115,33 @@ def run_dir(tmp_path_factory, driver) -> Path:
 
 def test_launch_layout_is_the_planners_current_plan(run_dir, driver):
     launch = driver["launch"]
-    assert (launch.training.tp, launch.training.dp, launch.training.first_device) == (1, 2, 0)
-    assert sorted(tuple(i.devices) for i in launch.instances) == [(2,), (3,)]
-    assert [(b.tp, b.num_instances) for b in launch.buckets] == [(1, 2)]
+    assert (launch.training.tp, launch.training.dp, launch.training.first_device) == (2, 1, 0)
+    assert sorted(tuple(i.devices) for i in launch.instances) == [(2,), (3,), (4,)]
+    assert [(b.tp, b.num_instances) for b in launch.buckets] == [(1, 3)]
 
 
 def test_hybrid_replica_joins_becomes_active_and_is_killed(run_dir, driver):
     kinds = planner_pb2.PlanActionKind
     assert [(a.kind, a.replica if a.replica else a.instance_id) for a in driver["join"].actions] == [
         (kinds.PLAN_ACTION_KIND_STOP_ROLLOUT_INSTANCE, "rollout-tp1-d2"),
-        (kinds.PLAN_ACTION_KIND_JOIN_HYBRID_REPLICA, 2),
+        (kinds.PLAN_ACTION_KIND_STOP_ROLLOUT_INSTANCE, "rollout-tp1-d3"),
+        (kinds.PLAN_ACTION_KIND_JOIN_HYBRID_REPLICA, 1),
     ]
     events = _events(run_dir)
     states = [e["kind"] for e in events if e["kind"].startswith("hybrid_")]
     assert "hybrid_active" in states, states
-    assert driver.get("killed", "").startswith("hybrid-2")
+    assert driver.get("killed", "").startswith("hybrid-1") and driver["tp_ranks"] == 2
     assert states.index("hybrid_rolled_back") > states.index("hybrid_active")
-    # While ACTIVE its rows and gradients were added to core rank 0's (before the core's DP
-    # all-reduce over its two ranks).
+    # While ACTIVE its rows and gradients were added to the core's (TP rank 0's lane speaks for
+    # the replica).
     rolled_back = next(e for e in events if e["kind"] == "hybrid_rolled_back")
     assert rolled_back["accepted_payloads"] >= 1, rolled_back
+    # TP rank 1 died; core rank 0 rolled back with it (its own peer was fine, or lost when TP
+    # rank 0 ended with its child), and the worker was retired.
     retired = next(e for e in events if e["kind"] == "hybrid_retired")
-    assert "PeerLost" in retired["message"], retired
+    assert "another rank of hybrid replica 1" in retired["message"] or "PeerLost" in retired["message"], (
+        retired
+    )
     if "of step" in retired["message"]:
         # It died while the core waited for its share of a step: the core computed that share.
         assert retired["filled_in_shares"] >= 1, retired
@@ -157,22 +164,23 @@ def test_device_goes_back_to_rollout(run_dir, driver):
     back = driver["back"]
     kinds = planner_pb2.PlanActionKind
     assert [(a.kind, a.instance_id) for a in back.actions] == [
-        (kinds.PLAN_ACTION_KIND_START_ROLLOUT_INSTANCE, "rollout-tp1-d2")
+        (kinds.PLAN_ACTION_KIND_START_ROLLOUT_INSTANCE, "rollout-tp1-d2"),
+        (kinds.PLAN_ACTION_KIND_START_ROLLOUT_INSTANCE, "rollout-tp1-d3"),
     ]
     executed = {e["plan_version"]: e for e in _events(run_dir) if e["kind"] == "plan_executed"}
     join = driver["join"].plan.version
     assert executed[join]["ok"] and executed[join]["live_instances"] == 1
-    assert executed[back.plan.version]["ok"] and executed[back.plan.version]["live_instances"] == 2
+    assert executed[back.plan.version]["ok"] and executed[back.plan.version]["live_instances"] == 3
 
 
 def test_decisions_and_actions_are_recorded_and_reported(run_dir):
     events = _events(run_dir)
     applied = [e["message"] for e in events if e["kind"] == "plan_applied"]
-    assert any("test: device 2 trains" in m and "step " in m for m in applied), applied
-    assert any("reconciled: hybrid replica 2 rolled back" in m for m in applied), applied
+    assert any("test: devices 2-3 train" in m and "step " in m for m in applied), applied
+    assert any("reconciled: hybrid replica 1 rolled back" in m for m in applied), applied
     actions = [e["message"] for e in events if e["kind"] == "plan_action"]
     assert any(m.startswith("0: stop rollout rollout-tp1-d2 (drain)") and ": ok " in m for m in actions)
-    assert any(m.startswith("1: join hybrid replica 2 on [2]: ok") for m in actions), actions
+    assert any(m.startswith("2: join hybrid replica 1 on [2, 3]: ok") for m in actions), actions
     # The drained instance's end was planned: the watchdog did not restart it.
     assert not [e for e in events if e["kind"] in ("instance_lost", "instance_restarted")]
     report = (run_dir / "report.md").read_text()

@@ -29,7 +29,10 @@ from libra.job.run import load_job_config
 from libra.job.workers import Placement
 from libra.planner import Planner, RequestRecord
 from libra.planner.actions import ActionResult, ExecutionReport, Outcome, RunningWorker
+from libra.planner.controls import HybridJoin
+from libra.planner.device_map import DeviceMap
 from libra.planner.diff import JoinHybridReplica, ReleaseHybridReplica, StopRolloutInstance
+from libra.planner.elastic import ElasticConfig, HybridPool
 from libra.planner.plan import BucketPlan, Plan, RolloutInstance
 from libra.scheduler.baselines import LeastLoadRouter, RoundRobinRouter
 from libra.scheduler.config import BucketConfig
@@ -154,6 +157,7 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
         cluster=SimpleNamespace(
             controller=controller,
             workers={"rollout-0": Placement("agent-0", (1,)), "rollout-1": Placement("agent-0", (2,))},
+            device_map=lambda: DeviceMap.from_cluster_state(controller.cluster.snapshot()),
         ),
         token="token",
         config=config,
@@ -284,7 +288,7 @@ def test_each_core_rank_hosts_the_lane_of_one_hybrid_replica():
     """A core of D ranks (TP = PP = 1) hosts D lanes: hybrid replica D + r goes to core rank r, and
     a plan with more hybrids than core ranks is refused before anything runs. (The channels are
     never used: nothing listens at these addresses.)"""
-    control = RankHybridControl(["127.0.0.1:1", "127.0.0.1:2"], "token", ControlConfig())
+    control = RankHybridControl(["127.0.0.1:1", "127.0.0.1:2"], 1, "token", ControlConfig())
     try:
         assert [control.hosts(replica) for replica in range(6)] == [False, False, True, True, False, False]
         assert unsupported([JoinHybridReplica(2, (2,)), JoinHybridReplica(3, (3,))], control) == []
@@ -292,8 +296,66 @@ def test_each_core_rank_hosts_the_lane_of_one_hybrid_replica():
             JoinHybridReplica(4, (4,))
         ]
         assert unsupported([ReleaseHybridReplica(2, (2,))], None) == [ReleaseHybridReplica(2, (2,))]
-        with pytest.raises(RuntimeError, match="a core of 2 ranks takes replicas 2 to 3"):
+        with pytest.raises(RuntimeError, match="a core of 2 DP replicas takes replicas 2 to 3"):
             control.request_join(4)
+    finally:
+        control.close()
+    with pytest.raises(ValueError, match="3 core ranks do not form replicas of TP = 2"):
+        RankHybridControl(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], 2, "token", ControlConfig())
+
+
+class FakeLaneStub:
+    """Fake of a core rank's TrainRank stub for the hybrid RPCs, over a real `HybridPool` (the
+    lane's generation and state bookkeeping); `refuse` makes RequestJoin fail like a rank whose
+    RPC errs."""
+
+    def __init__(self, address: str, refuse: bool = False):
+        self.address, self.refuse = address, refuse
+        self.pool = HybridPool(ElasticConfig())
+        self.calls: list[tuple] = []
+
+    def RequestJoin(self, request, timeout):
+        self.calls.append(("join", request.replica))
+        if self.refuse:
+            raise RuntimeError(f"{self.address} refused")
+        generation = self.pool.request_join(request.replica, 0.0)
+        return SimpleNamespace(generation=generation, lane_address=self.address)
+
+    def CancelJoin(self, request, timeout):
+        self.calls.append(("cancel", request.replica, request.generation))
+        self.pool.cancel(request.replica, request.generation, 0.0, request.reason)
+
+    def RequestRelease(self, request, timeout):
+        self.calls.append(("release", request.replica))
+
+    def GetHybridState(self, request, timeout):
+        self.calls.append(("state",))
+        return SimpleNamespace(replica=-1)
+
+
+def test_a_tensor_parallel_core_replica_joins_on_all_its_lanes():
+    """A core of TP 2 x DP 2: hybrid replica 2 + r pairs with core replica r, whose ranks 2r and
+    2r + 1 each host a lane; requests go to both, in TP order, with one agreed generation."""
+    control = RankHybridControl([f"127.0.0.1:{i + 1}" for i in range(4)], 2, "token", ControlConfig())
+    stubs = [FakeLaneStub(f"lane-{i}", refuse=i == 3) for i in range(4)]
+    control._stubs = stubs  # the fakes stand in for the gRPC stubs (nothing listens at the addresses)
+    try:
+        assert [control.hosts(replica) for replica in range(5)] == [False, False, True, True, False]
+        # Lane 0 saw a join that lane 1 missed (its RPC failed): lane 1 catches up by cancelled joins.
+        stubs[0].pool.request_join(2, 0.0)
+        stubs[0].pool.cancel(2, 1, 0.0)
+        assert control.request_join(2) == HybridJoin(2, ("lane-0", "lane-1"))
+        assert stubs[1].calls == [("join", 2), ("cancel", 2, 1), ("join", 2)]
+        assert stubs[2].calls == stubs[3].calls == []
+        control.request_release(2)
+        assert stubs[0].calls[-1] == stubs[1].calls[-1] == ("release", 2)
+        # Replica 3's second lane refuses: the first lane's join is rolled back.
+        with pytest.raises(RuntimeError, match="lane-3 refused"):
+            control.request_join(3)
+        assert stubs[2].calls == [("join", 3), ("cancel", 3, 1)]
+        # States come from TP rank 0 of each asked replica's core replica only.
+        control.states([2, 3])
+        assert [stub.calls.count(("state",)) for stub in stubs] == [1, 0, 1, 0]
     finally:
         control.close()
 
@@ -356,6 +418,7 @@ def test_planner_inputs(model_dir):
     profile = SimpleNamespace()
     assert (cluster_spec(3, 1, profile).num_nodes, cluster_spec(3, 1, profile).devices_per_node) == (3, 1)
     assert (cluster_spec(4, 2, profile).num_nodes, cluster_spec(4, 2, profile).devices_per_node) == (2, 4)
+    assert (cluster_spec(6, 1, profile).num_nodes, cluster_spec(6, 1, profile).devices_per_node) == (3, 2)
     trace = TrajectoryTrace(
         "t",
         "p",

@@ -12,6 +12,7 @@ import pytest
 from libra.control.types import ClusterState
 from libra.job.training_restart import JobTrainingRestart
 from libra.job.workers import Placement
+from libra.planner.device_map import DeviceMap
 from libra.planner.diff import RestartTraining
 from libra.training.config import TrainingConfig
 from tests.control.helpers import cpu_agent
@@ -26,12 +27,9 @@ class FakeJob:
         self.config = SimpleNamespace(training=TrainingConfig())
         self.stopped: list[str] = []
         self.cluster = SimpleNamespace(
-            controller=SimpleNamespace(
-                cluster=SimpleNamespace(snapshot=lambda: ClusterState([agent], [], 0))
-            ),
-            workers={"train-0": Placement("agent-0", (0,))},
-            stop_worker=self.stopped.append,
+            device_map=lambda: DeviceMap.from_cluster_state(ClusterState([agent], [], 0))
         )
+        self.placements = [Placement("agent-0", (0,))]
         self.train_worker_ids = ["train-0"]
         self.started: list[tuple[int, list[Placement]]] = []
         self.current_version = 7
@@ -47,8 +45,14 @@ class FakeJob:
             close=lambda: None,
         )
 
-    def start_train_ranks(self, placements):
-        training = self.config.training
+    def train_layout(self):
+        return self.config.training, list(self.placements)
+
+    def stop_train_ranks(self):
+        self.stopped.extend(self.train_worker_ids)
+
+    def start_train_ranks(self, placements, training):
+        self.config.training, self.placements = training, list(placements)
         self.started.append((training.tensor_parallel, list(placements)))
         self.train_worker_ids = [f"train-g{len(self.started) + 1}-{r}" for r in range(len(placements))]
         if self.broken and training.tensor_parallel == 2:

@@ -83,7 +83,7 @@ class RecordingTraining:
         self.generations[replica] = self.generations.get(replica, 0) + 1
         self.calls.append(("join", replica, self.generations[replica]))
         self.release_file(replica).unlink(missing_ok=True)
-        return HybridJoin(self.generations[replica], "127.0.0.1:9")
+        return HybridJoin(self.generations[replica], ("127.0.0.1:9",))
 
     def cancel_join(self, replica: int, generation: int, reason: str) -> None:
         self.calls.append(("cancel_join", replica, generation, reason))
@@ -129,5 +129,5 @@ class SleeperLauncher:
             return LaunchSpec(("/nonexistent/libra-hybrid-worker",))
         ready = self.work_dir / f"hybrid-{action.replica}-g{join.generation}.ready"
         release = self.training.release_file(action.replica)
-        argv = (sys.executable, "-c", SLEEPER, str(ready), join.lane_address, str(release))
+        argv = (sys.executable, "-c", SLEEPER, str(ready), join.lane_addresses[0], str(release))
         return LaunchSpec(argv, ready_file=str(ready))

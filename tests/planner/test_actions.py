@@ -232,6 +232,13 @@ def test_a_failed_start_stops_the_rest_and_keeps_running_instances(setup):
     assert training.calls[-1][:3] == ("cancel_join", 3, 1)
     assert executor.running_hybrids() == {}
 
+    # Two devices for a replica whose core replica has one TP rank (one lane): refused before any
+    # worker starts, the join cancelled.
+    report = executor.execute([JoinHybridReplica(3, (0, 1))], plan_version=9)
+    assert report.failed is not None and "core replica has TP = 1" in report.failed.detail
+    assert training.calls[-1][:3] == ("cancel_join", 3, 2)
+    assert executor.running_hybrids() == {}
+
     # A replica that joined and was then rolled back by its lane: the job retires its worker.
     assert executor.execute([JoinHybridReplica(2, (1,))]).ok
     worker = executor.running_hybrids()[2].worker_id

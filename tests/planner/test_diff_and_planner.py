@@ -70,9 +70,9 @@ def test_growing_training_joins_hybrid_replicas_and_stops_rollout_first():
 
 
 def test_growth_past_what_the_hybrid_pool_pairs_restarts_training():
-    """The job's pool pairs one hybrid per core replica of one rank: DP 1 -> 2 at TP 1 joins a
-    hybrid, DP 1 -> 3 or any growth of a TP-8 core restarts training (and is priced so)."""
-    job_pool = HybridPoolLimits(per_core_replica=1, max_core_model_parallel=1)
+    """The job's pool pairs one hybrid per core replica of PP 1: DP 1 -> 2 joins a hybrid, at TP 1
+    or TP 8; DP 1 -> 3, or any growth of a PP-2 core, restarts training (and is priced so)."""
+    job_pool = HybridPoolLimits(per_core_replica=1, max_core_pipeline_parallel=1)
     one_rank = make_plan(1, 1, 1, [8] * 5 + [4, 2, 1])
     new, actions = diff_plans(one_rank, make_plan(1, 1, 2, [8] * 5 + [4, 2]), pool=job_pool)
     assert new.training.hybrid_replicas == (1,) and JoinHybridReplica(1, (1,)) in actions
@@ -82,6 +82,10 @@ def test_growth_past_what_the_hybrid_pool_pairs_restarts_training():
     assert [a.replica for a in actions if isinstance(a, JoinHybridReplica)] == [1, 2]
     tp8 = make_plan(8, 1, 3, [4, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1])
     _, actions = diff_plans(tp8, make_plan(8, 1, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1]), pool=job_pool)
+    assert JoinHybridReplica(3, tuple(range(24, 32))) in actions
+    assert not any(isinstance(a, RestartTraining) for a in actions)
+    pp2 = make_plan(4, 2, 3, [4, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1])
+    _, actions = diff_plans(pp2, make_plan(4, 2, 4, [4, 4, 1, 1, 1, 1, 1, 1, 1, 1]), pool=job_pool)
     assert any(isinstance(a, RestartTraining) for a in actions)
     assert not any(isinstance(a, JoinHybridReplica) for a in actions)
     with pytest.raises(ValueError, match="per_core_replica must be >= 0"):
