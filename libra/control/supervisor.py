@@ -117,6 +117,9 @@ class WorkerSupervisor:
             return
         spawned.set_result(process)
         returncode = process.wait()
+        # The worker's devices count as free once it ended: what it left in its process group
+        # (children of a crashed worker) must not keep running on them.
+        _signal_group(process, signal.SIGKILL)
         with self._lock:  # start() holds the lock until it has recorded the worker
             worker = self._workers[spec.worker_id]
             worker.status.state = WorkerState.STOPPED if worker.stop_requested else WorkerState.EXITED

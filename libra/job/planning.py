@@ -44,9 +44,10 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from libra.config import LibraConfig
 from libra.control import ClusterClient
@@ -62,7 +63,6 @@ from libra.planner.config import (
     TrainingBatch,
 )
 from libra.planner.controls import HybridJoin, LaunchSpec
-from libra.planner.device_map import DeviceMap
 from libra.planner.diff import (
     Action,
     JoinHybridReplica,
@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from libra.job.setup import JobWorkers
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PLAN_EVENT_KINDS = {
     EventKind.PLAN_APPLIED: "plan_applied",
@@ -189,7 +190,7 @@ class JobLauncher:
         return LaunchSpec(tuple(argv), env, os.getcwd(), str(address_file))
 
     def hybrid_replica(self, action: JoinHybridReplica, join: HybridJoin) -> LaunchSpec:
-        """A hybrid DP replica (`libra.training.hybrid_worker`) following the core rank's lane."""
+        """A hybrid DP replica (`libra.training.hybrid_worker`) following its core replica's lanes."""
 
         from libra.job.workers import training_json
 
@@ -269,8 +270,12 @@ class RankHybridControl:
                     generation = self._request(stub, replica).generation
                     accepted[i] = (stub, generation, address)
         except Exception:
-            for stub, generation, _ in accepted:
-                self._cancel(stub, replica, generation, "another lane of the core replica refused the join")
+            why = "another lane of the core replica refused the join"
+            _on_every_lane(
+                accepted,
+                lambda lane: self._cancel(lane[0], replica, lane[1], why),
+                f"roll back the partial join of hybrid replica {replica}",
+            )
             raise
         return HybridJoin(newest, tuple(address for _, _, address in accepted))
 
@@ -282,12 +287,21 @@ class RankHybridControl:
         stub.CancelJoin(request, timeout=600)
 
     def cancel_join(self, replica: int, generation: int, reason: str) -> None:
-        for stub in self._lanes(replica):
-            self._cancel(stub, replica, generation, reason)
+        _on_every_lane(
+            self._lanes(replica),
+            lambda stub: self._cancel(stub, replica, generation, reason),
+            f"cancel the join of hybrid replica {replica}",
+            reraise=True,
+        )
 
     def request_release(self, replica: int) -> None:
-        for stub in self._lanes(replica):
-            stub.RequestRelease(self._pb.RequestReleaseRequest(replica=replica), timeout=600)
+        request = self._pb.RequestReleaseRequest(replica=replica)
+        _on_every_lane(
+            self._lanes(replica),
+            lambda stub: stub.RequestRelease(request, timeout=600),
+            f"release hybrid replica {replica}",
+            reraise=True,
+        )
 
     def states(self, replicas) -> list:
         """The HybridStateReply (replica, generation, state name, counters) of each of `replicas`:
@@ -298,6 +312,22 @@ class RankHybridControl:
     def close(self) -> None:
         for channel in self._channels:
             channel.close()
+
+
+def _on_every_lane(lanes: Sequence[T], send: Callable[[T], object], what: str, reraise: bool = False) -> None:
+    """`send` to every lane even when some fail: the lanes of a replica move only once all of them
+    have the request, so one failed RPC must not keep the others from getting theirs. The first
+    failure is raised afterwards when `reraise`, else logged."""
+    errors = []
+    for lane in lanes:
+        try:
+            send(lane)
+        except Exception as e:  # noqa: BLE001 - collected, raised or logged below
+            errors.append(e)
+    if errors and reraise:
+        raise errors[0]
+    for error in errors:
+        logger.warning("could not %s on every lane: %s", what, error)
 
 
 def unsupported(actions: list[Action], hybrids: RankHybridControl | None) -> list[Action]:
@@ -385,8 +415,7 @@ class JobPlanning:
         """Registers the job's instances with the executor and the id map, and makes the running
         layout the planner's current plan. A layout the planner cannot describe (its device
         count or alignment) turns planning off for the run, with an event saying why."""
-        state = self.workers.cluster.controller.cluster.snapshot()
-        devices = DeviceMap.from_cluster_state(state)
+        devices = self.workers.cluster.device_map()
         problem_devices = self.workers.planning_problem.cluster.num_devices
         if devices.num_devices != problem_devices:
             self._disable(

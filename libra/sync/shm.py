@@ -12,9 +12,11 @@ Raw files + mmap rather than multiprocessing.shared_memory: in Python 3.11 attac
 registers it with the attaching process's resource tracker, which unlinks it when that process
 exits, under the publisher's feet.
 
-A publisher killed by SIGKILL cannot unlink its files. Names carry the publisher's pid and a
-random part, so a later publisher that got the same pid never collides with them, and each new
-publisher removes the files of publishers whose process is gone.
+A publisher killed by SIGKILL cannot unlink its files. Names carry the publisher's PID namespace,
+pid and a random part, so a later publisher that got the same pid never collides with them, and
+each new publisher removes the files of publishers whose process is gone: only its own user's, and
+only from its own PID namespace (a container sharing /dev/shm but not pids cannot tell whether
+another's publisher lives).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from libra.sync.transport import BufferManifest, TransferError, WeightReceiver, 
 
 SHM_DIR = Path("/dev/shm")
 _SAFE_KEY = re.compile(r"[^A-Za-z0-9_.-]")
-_PUBLISHER_FILE = re.compile(r"libra-w(\d+)-")
+_PUBLISHER_FILE = re.compile(r"libra-w(\d+)\.(\d+)-")
+"""libra-w{PID namespace}.{pid}-{random}-v{version}-{key}"""
 logger = logging.getLogger(__name__)
 
 
@@ -48,18 +51,29 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (its inode; 0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def remove_orphaned_segments(directory: Path = SHM_DIR) -> int:
-    """Unlink the buffers of publishers whose process no longer exists; returns how many."""
-    removed = 0
+    """Unlink this user's buffers of publishers in this PID namespace whose process no longer
+    exists; returns how many."""
+    removed, namespace, uid = 0, pid_namespace(), os.getuid()
     for path in directory.glob("libra-w*"):
         match = _PUBLISHER_FILE.match(path.name)
-        if match is None or _process_exists(int(match.group(1))):
+        if match is None or int(match.group(1)) != namespace or _process_exists(int(match.group(2))):
             continue
         try:
+            if path.stat().st_uid != uid:
+                continue
             path.unlink()
             removed += 1
-        except FileNotFoundError:
-            pass  # another publisher swept it first
+        except OSError:
+            pass  # swept by another publisher first, or not ours to remove
     if removed:
         logger.info("removed %d shared-memory buffers left by exited publishers in %s", removed, directory)
     return removed
@@ -72,7 +86,7 @@ class ShmSender(WeightSender):
         self.directory = Path(directory)
         if prefix is None:
             remove_orphaned_segments(self.directory)
-        self.prefix = prefix or f"libra-w{os.getpid()}-{secrets.token_hex(4)}"
+        self.prefix = prefix or f"libra-w{pid_namespace()}.{os.getpid()}-{secrets.token_hex(4)}"
         self._buffers: dict[tuple[int, str], tuple[Path, mmap.mmap]] = {}
 
     def path(self, version: int, key: str) -> Path:

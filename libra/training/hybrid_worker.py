@@ -7,8 +7,8 @@ through a node agent on devices taken from rollout.
 One `--lane` per TP rank of the core replica it pairs with, in TP order: the replica has the
 core's TP = T (PP = 1) and is T processes in its own torch.distributed world (the core's process
 groups are never touched). The process the agent starts is TP rank 0 on the worker's first device;
-it starts ranks 1..T-1 as its children on the next devices (one process group, so stopping the
-worker stops them all) and exits as soon as one of them fails. Each rank builds the same engine
+it starts ranks 1..T-1 as its children on the next devices (they die with it, and stopping the
+worker stops its whole process group) and exits as soon as one of them fails. Each rank builds the same engine
 as its core rank, connects to its core rank's lane and follows the join protocol
 (`libra.training.hybrid.run_hybrid_replica`) until the core releases it (exit 0); rank 0 writes
 the ready file once the replica's world is up. A lost lane or any failure exits non-zero; the
@@ -29,6 +29,8 @@ from pathlib import Path
 
 from libra.logs import configure_logging
 
+logger = logging.getLogger(__name__)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -40,9 +42,6 @@ def _write_atomically(path: str, text: str) -> None:
     tmp = Path(path + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-logger = logging.getLogger(__name__)
 
 
 def hybrid_worker_argv(
@@ -87,24 +86,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generation", type=int, required=True, help="the join's generation")
     parser.add_argument("--training", default="", help="JSON object of the core's TrainingConfig fields")
     parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--ready-file", default=None, help="written with the lane address once built")
+    parser.add_argument(
+        "--ready-file", default=None, help="written with the lane addresses once the replica's world is up"
+    )
     parser.add_argument("--result-file", default=None, help="torch.save of the steps run and their losses")
     parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.replica < 1 or args.generation < 1:
         parser.error(f"--replica and --generation must be >= 1, got {args.replica}, {args.generation}")
     tp, rank = len(args.lane), args.tp_rank
     if not 0 <= rank < tp:
         parser.error(f"--tp-rank must be in [0, {tp}) for {tp} --lane addresses, got {rank}")
-    if rank > 0 and args.master_port is None:
-        parser.error("--tp-rank > 0 needs the --master-port of rank 0")
+    if rank > 0 and (args.master_port is None or args.parent_pid is None):
+        parser.error("--tp-rank > 0 needs the --master-port and --parent-pid of rank 0")
+    if rank > 0:
+        _die_with(args.parent_pid)
     configure_logging(f"hybrid-replica-{args.replica}-tp{rank}")
     master_port = args.master_port or _free_port()
     children = _start_other_ranks(args, master_port) if rank == 0 else []
 
     from libra.backends import get_backend
 
+    os.environ["LOCAL_RANK"] = str(rank)  # the worker's devices: TP rank t takes the t-th
     backend = get_backend(args.backend)
     backend.prepare_worker()
     from transformers import AutoConfig
@@ -149,9 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.save({"steps": num_steps, "losses": losses}, args.result_file)
     shutdown()
-    for child in children:  # released together: each exits 0 after its own release
-        child.wait()
-    return 0
+    # Released together: each rank exits 0 after its own release.
+    return 1 if any(child.wait() != 0 for child in children) else 0
 
 
 def _start_other_ranks(args: argparse.Namespace, master_port: int) -> list[subprocess.Popen]:
@@ -163,7 +167,16 @@ def _start_other_ranks(args: argparse.Namespace, master_port: int) -> list[subpr
     )
     children = [
         subprocess.Popen(
-            [*argv, "--tp-rank", str(rank), "--master-port", str(master_port)], stdin=subprocess.DEVNULL
+            [
+                *argv,
+                "--tp-rank",
+                str(rank),
+                "--master-port",
+                str(master_port),
+                "--parent-pid",
+                str(os.getpid()),
+            ],
+            stdin=subprocess.DEVNULL,
         )
         for rank in range(1, len(args.lane))
     ]
@@ -178,6 +191,18 @@ def _start_other_ranks(args: argparse.Namespace, master_port: int) -> list[subpr
     for rank, child in enumerate(children, start=1):
         threading.Thread(target=watch, args=(rank, child), daemon=True, name=f"watch-tp{rank}").start()
     return children
+
+
+def _die_with(parent_pid: int) -> None:
+    """Ranks 1..T-1 get SIGKILL when rank 0 ends, however it ends (Linux): a rank left alone would
+    wait in the replica's rendezvous or a collective on devices already handed back."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # rank 0 ended before the signal was armed
+        os._exit(1)
 
 
 if __name__ == "__main__":

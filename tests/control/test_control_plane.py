@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -89,6 +90,31 @@ def test_stop_worker_stops_its_process_group(client, spawn_agent):
     assert stopped.state == WorkerState.STOPPED
     with pytest.raises(ProcessLookupError):
         os.killpg(started.pid, 0)
+
+
+def test_a_worker_that_exits_takes_its_process_group_with_it(client, spawn_agent, tmp_path):
+    agent = spawn_agent()
+    watcher = EventCollector(client, after_sequence=client.cluster_state().last_event_sequence)
+    child_pid = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys;"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        f"open({str(child_pid)!r}, 'w').write(str(child.pid)); sys.exit(5)"
+    )
+    started = client.start_worker(agent.agent_id, python_worker("crasher", (0,), code))
+    assert watcher.first(EventKind.WORKER_EXITED, worker_id="crasher").exit_code == 5
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _group_alive(started.pid):
+        time.sleep(0.05)
+    assert not _group_alive(started.pid), f"child {child_pid.read_text()} outlived its worker"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_devices_are_exclusive_until_the_worker_ends(client, spawn_agent):

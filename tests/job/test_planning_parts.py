@@ -306,8 +306,8 @@ def test_each_core_rank_hosts_the_lane_of_one_hybrid_replica():
 
 class FakeLaneStub:
     """Fake of a core rank's TrainRank stub for the hybrid RPCs, over a real `HybridPool` (the
-    lane's generation and state bookkeeping); `refuse` makes RequestJoin fail like a rank whose
-    RPC errs."""
+    lane's generation and state bookkeeping); `refuse` makes RequestJoin and RequestRelease fail
+    like a rank whose RPC errs."""
 
     def __init__(self, address: str, refuse: bool = False):
         self.address, self.refuse = address, refuse
@@ -327,6 +327,8 @@ class FakeLaneStub:
 
     def RequestRelease(self, request, timeout):
         self.calls.append(("release", request.replica))
+        if self.refuse:
+            raise RuntimeError(f"{self.address} refused")
 
     def GetHybridState(self, request, timeout):
         self.calls.append(("state",))
@@ -349,6 +351,11 @@ def test_a_tensor_parallel_core_replica_joins_on_all_its_lanes():
         assert stubs[2].calls == stubs[3].calls == []
         control.request_release(2)
         assert stubs[0].calls[-1] == stubs[1].calls[-1] == ("release", 2)
+        # One lane's failed RPC does not keep the request from the others (the first error is raised).
+        stubs[0].refuse = True
+        with pytest.raises(RuntimeError, match="lane-0 refused"):
+            control.request_release(2)
+        assert stubs[1].calls[-1] == ("release", 2) and len(stubs[1].calls) == 5
         # Replica 3's second lane refuses: the first lane's join is rolled back.
         with pytest.raises(RuntimeError, match="lane-3 refused"):
             control.request_join(3)

@@ -15,7 +15,7 @@ from libra.sync.collective import CollectiveReceiver, CollectiveSender
 from libra.sync.grpc_stream import GrpcReceiver, GrpcSender
 from libra.sync.load_request import LoadRequest
 from libra.sync.publisher import WeightPublisher, buffer_key
-from libra.sync.shm import ShmReceiver, ShmSender
+from libra.sync.shm import ShmReceiver, ShmSender, pid_namespace
 from libra.sync.transport import BufferManifest, TransferError, checksum, verify_staged
 from libra.sync.wire import load_request_from_proto, load_request_to_proto
 from tests.sync.helpers import plan_for
@@ -106,26 +106,28 @@ def test_shm_delivers_and_isolates(published_inputs):
 
 def test_shm_publisher_removes_orphans_and_never_collides(tmp_path):
     """A SIGKILLed publisher leaves its files; a new one whose pid is reused must neither fail on
-    them nor leave them, and must not touch a live publisher's files."""
+    them nor leave them, and must not touch a live publisher's files, nor those of another PID
+    namespace (whose pids it cannot check)."""
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    orphan = tmp_path / f"libra-w{int(dead.stdout)}-v2-tp2_rank0"
-    live = tmp_path / f"libra-w{os.getpid()}-feedbeef-v2-tp2_rank0"
+    namespace = pid_namespace()
+    orphan = tmp_path / f"libra-w{namespace}.{int(dead.stdout)}-0badf00d-v2-tp2_rank0"
+    live = tmp_path / f"libra-w{namespace}.{os.getpid()}-feedbeef-v2-tp2_rank0"
+    elsewhere = tmp_path / f"libra-w{namespace + 1}.{int(dead.stdout)}-0badf00d-v2-tp2_rank0"
     unrelated = tmp_path / "other-file"
-    for path in (orphan, live, unrelated):
+    for path in (orphan, live, elsewhere, unrelated):
         path.write_bytes(b"x")
     first, second = ShmSender(directory=tmp_path), ShmSender(directory=tmp_path)
     try:
         assert not orphan.exists()
-        assert live.exists() and unrelated.exists()
         assert first.prefix != second.prefix
         first.allocate(2, "tp2_rank0", 8)
         second.allocate(2, "tp2_rank0", 8)  # same pid, version and key: different files
     finally:
         first.close()
         second.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, unrelated.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, elsewhere, unrelated))
 
 
 def test_grpc_delivers_and_refuses_unknown(published_inputs):
