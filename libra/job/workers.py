@@ -25,6 +25,7 @@ from pathlib import Path
 
 from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller, WorkerRole, WorkerSpec, WorkerState
+from libra.control.lifetime import die_with_parent
 from libra.control.types import AgentState
 from libra.job.config import JobConfig
 from libra.planner.device_map import DeviceMap
@@ -106,7 +107,8 @@ class JobCluster:
             argv.append(f"backend.num_devices={self.config.backend.num_devices}")
         self._agent_process = subprocess.Popen(
             argv,
-            preexec_fn=_die_with_parent,
+            # A killed job leaves no agent (and, through it, no workers) behind.
+            preexec_fn=die_with_parent,
             env={**os.environ, "LIBRA_TOKEN": self.token},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -220,16 +222,6 @@ class JobCluster:
                 self._agent_process.kill()
         if self.controller is not None:
             self.controller.stop()
-
-
-def _die_with_parent() -> None:
-    """The spawned node agent gets SIGTERM when the job process dies, however it dies (Linux), so
-    that a killed job leaves no agent (and, through it, no workers) behind."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _tail(path: str, num_chars: int = 3000) -> str:

@@ -8,8 +8,8 @@ One `--lane` per TP rank of the core replica it pairs with, in TP order: the rep
 core's TP = T (PP = 1) and is T processes in its own torch.distributed world (the core's process
 groups are never touched). The process the agent starts is TP rank 0 on the worker's first device;
 it starts ranks 1..T-1 as its children on the next devices (they die with it, and stopping the
-worker stops its whole process group) and exits as soon as one of them fails. Each rank builds the same engine
-as its core rank, connects to its core rank's lane and follows the join protocol
+worker stops its whole process group) and exits as soon as one of them fails. Each rank builds
+the same engine as its core rank, connects to its core rank's lane and follows the join protocol
 (`libra.training.hybrid.run_hybrid_replica`) until the core releases it (exit 0); rank 0 writes
 the ready file once the replica's world is up. A lost lane or any failure exits non-zero; the
 core has rolled the whole replica back by then. `--training` must be the core's TrainingConfig
@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+from libra.control.lifetime import die_with_parent
 from libra.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -102,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank > 0 and (args.master_port is None or args.parent_pid is None):
         parser.error("--tp-rank > 0 needs the --master-port and --parent-pid of rank 0")
     if rank > 0:
-        _die_with(args.parent_pid)
+        # A rank left alone would wait in the replica's rendezvous or a collective on devices
+        # already handed back.
+        die_with_parent(signal.SIGKILL, args.parent_pid)
     configure_logging(f"hybrid-replica-{args.replica}-tp{rank}")
     master_port = args.master_port or _free_port()
     children = _start_other_ranks(args, master_port) if rank == 0 else []
@@ -191,18 +195,6 @@ def _start_other_ranks(args: argparse.Namespace, master_port: int) -> list[subpr
     for rank, child in enumerate(children, start=1):
         threading.Thread(target=watch, args=(rank, child), daemon=True, name=f"watch-tp{rank}").start()
     return children
-
-
-def _die_with(parent_pid: int) -> None:
-    """Ranks 1..T-1 get SIGKILL when rank 0 ends, however it ends (Linux): a rank left alone would
-    wait in the replica's rendezvous or a collective on devices already handed back."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # rank 0 ended before the signal was armed
-        os._exit(1)
 
 
 if __name__ == "__main__":
