@@ -49,7 +49,7 @@ def problem_for(num_devices: int) -> PlanningProblem:
     return PlanningProblem(
         cluster=ClusterSpec(num_devices // 8, 8, A800_SXM4_80GB),
         model=sample.QWEN3_14B,
-        batch=TrainingBatch(global_batch=128, group_size=4, activation_recompute=True, max_staleness=2),
+        batch=TrainingBatch(global_batch=128, group_size=4, recompute="full", max_staleness=2),
         history=synthetic_history(256, seed=0, median_output_tokens=1500, sigma=0.8),
     )
 

@@ -1,15 +1,20 @@
-"""Trained tokens/s of the Megatron train ranks (TP=1, TP=2, DP=2) on the CPU, against a plain
-PyTorch implementation of the same model and loss (transformers Llama + the same GRPO loss +
-torch AdamW) measured in the same run.
+"""Trained tokens/s and peak memory per rank of the train ranks on the CPU: Megatron's own
+machinery (DDP, `get_megatron_optimizer`, `get_forward_backward_func`; `libra.training.engine`)
+against the hand-rolled path it replaced (gradients all-reduced parameter by parameter, torch
+AdamW on the model's parameters, micro-batches run forward then straight back), at the same
+layouts, in one run.
 
     python benchmarks/train.py [--steps 4] [--batch 8] [--seq 256]
 
-The model is a ~10M-parameter Llama (hidden 256, 8 layers, 8 heads / 4 KV heads, ffn 704,
-vocab 8192), fp32. Every configuration runs alone (nothing else of this benchmark runs
-concurrently); each process uses 1 OpenMP thread, as the cpu backend gives a one-core slot.
-A step is one GRPO optimizer step over `batch` trajectories of `seq` tokens (prompt 32), with
-pi_old recomputed first (as in training); tokens/s counts the trajectory tokens of the batch.
-Reported: the median step after one warm-up step.
+The baseline is the engine of commit `HANDROLLED_COMMIT`, read from git history (run from a
+clone) and imported beside the current one; both build the same Megatron `GPTModel`. The model is
+a ~10M-parameter Llama (hidden 256, 8 layers, 8 heads / 4 KV heads, ffn 704, vocab 8192), fp32
+unless the row says bf16. Every configuration runs alone (nothing else of this benchmark runs
+concurrently); each process uses 1 OpenMP thread, as the cpu backend gives a one-core slot. A step
+is one GRPO optimizer step over `batch` trajectories of `seq` tokens (prompt 32), with pi_old
+recomputed first (as in training); tokens/s counts the trajectory tokens of the batch. PP=2 runs 4
+micro-batches per step. Reported: the median step after one warm-up step, and the largest peak
+RSS of the job's ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 PROMPT = 32
+HANDROLLED_COMMIT = "d44edd9"
+"""The last commit whose `libra/training/engine.py` reduced gradients by hand."""
 
 
 def make_model(directory: Path) -> None:
@@ -68,8 +75,26 @@ def make_batch(batch: int, seq: int):
     return out
 
 
+def handrolled_engine_class():
+    """`TrainEngine` as of `HANDROLLED_COMMIT`, imported under another module name."""
+    import importlib.util
+
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{HANDROLLED_COMMIT}:libra/training/engine.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "handrolled_engine.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("handrolled_engine", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TrainEngine
+
+
 def rank_main(spec: dict) -> None:
-    import torch
+    import resource
 
     from libra.backends import get_backend
 
@@ -82,19 +107,23 @@ def rank_main(spec: dict) -> None:
     from libra.training.model import ModelArchitecture
     from libra.training.parallel import initialize, shutdown
 
-    tp, dp = spec["tp"], spec["dp"]
+    tp, pp, dp = spec["tp"], spec["pp"], spec["dp"]
     info = initialize(
-        tp, 1, rank=spec["rank"], world_size=tp * dp, master_addr="127.0.0.1", master_port=spec["port"]
+        tp, pp, rank=spec["rank"], world_size=tp * pp * dp, master_addr="127.0.0.1", master_port=spec["port"]
     )
     arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
     cfg = TrainingConfig(
         tensor_parallel=tp,
+        pipeline_parallel=pp,
         data_parallel=dp,
+        dtype=spec["dtype"],
         lr=1e-5,
         max_staleness=10**6,
-        max_tokens_per_microbatch=spec["seq"] * spec["batch"],
+        max_tokens_per_microbatch=spec["seq"] * spec["batch"] // (4 if pp > 1 else 1),
+        overlap_grad_reduce=spec["overlap"],
     )
-    engine = TrainEngine(arch, cfg, info)
+    engine_class = TrainEngine if spec["engine"] == "megatron" else handrolled_engine_class()
+    engine = engine_class(arch, cfg, info)
     engine.load_hf(hf_tensor_reader(spec["model"]))
     batch = make_batch(spec["batch"], spec["seq"])
     times = []
@@ -102,53 +131,13 @@ def rank_main(spec: dict) -> None:
         start = time.perf_counter()
         engine.train_step(batch)
         times.append(time.perf_counter() - start)
-    if info.rank == 0:
-        print(json.dumps({"step_s": statistics.median(times[1:])}), flush=True)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"step_s": statistics.median(times[1:]), "peak_mib": peak_mib}), flush=True)
     shutdown()
-    del torch
 
 
-def plain_pytorch(spec: dict) -> float:
-    """The same model and GRPO step in plain PyTorch: transformers Llama, log-softmax logprobs,
-    the same loss function, torch AdamW. Returns the median step seconds."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from libra.training.config import GrpoConfig
-    from libra.training.grpo import group_advantages, grpo_token_loss
-
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    batch = make_batch(spec["batch"], spec["seq"])
-    cfg = GrpoConfig()
-    ids = torch.tensor([t.token_ids for t in batch])
-    targets = ids[:, 1:]
-    mask = torch.zeros_like(targets, dtype=torch.float32)
-    mask[:, PROMPT - 1 :] = 1.0
-    adv = torch.tensor(group_advantages([t.reward for t in batch], [t.group_id for t in batch], cfg))
-    adv = adv[:, None].expand_as(mask)
-    rollout = torch.full_like(mask, -9.0)
-
-    def logprobs():
-        logits = model(ids).logits[:, :-1].float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
-
-    times = []
-    for _ in range(spec["steps"] + 1):
-        start = time.perf_counter()
-        with torch.no_grad():
-            old = logprobs()
-        optimizer.zero_grad()
-        loss = grpo_token_loss(logprobs(), old, rollout, adv, mask, cfg).loss_sum / mask.sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-def run_ranks(spec: dict, world: int) -> float:
+def run_ranks(spec: dict, world: int) -> tuple[float, float]:
+    """(rank 0's median step seconds, the largest peak RSS of the ranks in MiB)."""
     from tests.training.jobs import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
@@ -166,7 +155,19 @@ def run_ranks(spec: dict, world: int) -> float:
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}")
-    return json.loads(outputs[0].strip().splitlines()[-1])["step_s"]
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    return results[0]["step_s"], max(r["peak_mib"] for r in results)
+
+
+LAYOUTS = (
+    # (name, tp, pp, dp, dtype, overlap)
+    ("TP=1", 1, 1, 1, "float32", False),
+    ("TP=2", 2, 1, 1, "float32", False),
+    ("PP=2 (4 micro)", 1, 2, 1, "float32", False),
+    ("DP=2", 1, 1, 2, "float32", False),
+    ("DP=2 overlap", 1, 1, 2, "float32", True),
+    ("TP=1 bf16", 1, 1, 1, "bfloat16", False),
+)
 
 
 def main() -> None:
@@ -184,13 +185,21 @@ def main() -> None:
         make_model(model)
         spec = {"model": str(model), "steps": args.steps, "batch": args.batch, "seq": args.seq}
         tokens = args.batch * args.seq
-        baseline = plain_pytorch(spec)
         print(f"model ~10M params, batch {args.batch} x {args.seq} tokens, median of {args.steps} steps")
-        print(f"{'config':<22}{'step s':>8}{'tok/s':>9}{'vs plain':>10}")
-        print(f"{'plain PyTorch (1 proc)':<22}{baseline:>8.2f}{tokens / baseline:>9.0f}{1.0:>10.2f}")
-        for name, tp, dp in (("Megatron TP=1", 1, 1), ("Megatron TP=2", 2, 1), ("Megatron DP=2", 1, 2)):
-            step = run_ranks({**spec, "tp": tp, "dp": dp}, tp * dp)
-            print(f"{name:<22}{step:>8.2f}{tokens / step:>9.0f}{baseline / step:>10.2f}", flush=True)
+        print(f"{'layout':<16}{'path':<12}{'step s':>8}{'tok/s':>8}{'peak MiB':>10}{'speed vs hand':>15}")
+        for name, tp, pp, dp, dtype, overlap in LAYOUTS:
+            layout = {**spec, "tp": tp, "pp": pp, "dp": dp, "dtype": dtype, "overlap": overlap}
+            # The hand-rolled path has no overlap (nor fp32 main parameters for bf16): its row is
+            # the same layout without them.
+            hand_s, hand_mib = run_ranks({**layout, "engine": "handrolled"}, tp * pp * dp)
+            mega_s, mega_mib = run_ranks({**layout, "engine": "megatron"}, tp * pp * dp)
+            hand = f"{hand_s:>8.2f}{tokens / hand_s:>8.0f}{hand_mib:>10.0f}"
+            print(f"{name:<16}{'hand-rolled':<12}{hand}{1.0:>15.2f}")
+            print(
+                f"{'':<16}{'Megatron':<12}{mega_s:>8.2f}{tokens / mega_s:>8.0f}{mega_mib:>10.0f}"
+                f"{hand_s / mega_s:>15.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

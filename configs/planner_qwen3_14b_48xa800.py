@@ -10,7 +10,7 @@ def planning_problem() -> PlanningProblem:
     return PlanningProblem(
         cluster=ClusterSpec(num_nodes=6, devices_per_node=8, profile=A800_SXM4_80GB),
         model=QWEN3_14B,
-        batch=TrainingBatch(global_batch=128, group_size=4, activation_recompute=True, max_staleness=2),
+        batch=TrainingBatch(global_batch=128, group_size=4, recompute="full", max_staleness=2),
         history=synthetic_history(256, seed=0, median_output_tokens=1500, sigma=0.8),
         config=PlannerConfig(),
     )

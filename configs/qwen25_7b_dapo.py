@@ -73,6 +73,11 @@ def config() -> LibraConfig:
             tensor_parallel=TRAIN_TP,
             data_parallel=TRAIN_DP,
             dtype="bfloat16",
+            # Megatron's path: fp32 main parameters and Adam state sharded over DP (ZeRO-1), the
+            # DP reduction overlapped with backward, whole layers recomputed (long contexts).
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            recompute="full",
             lr=1e-6,
             weight_decay=0.1,  # DAPO's
             # One step of overlap, like verl's one-step-off-policy DAPO runs.

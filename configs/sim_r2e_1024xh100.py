@@ -11,7 +11,7 @@ def sim_config() -> SimConfig:
         name="r2e-1024xh100",
         profile="h100",
         num_nodes=128,
-        batch=TrainingBatch(global_batch=2048, group_size=8, activation_recompute=True, max_staleness=2),
+        batch=TrainingBatch(global_batch=2048, group_size=8, recompute="full", max_staleness=2),
         workload=WorkloadConfig(name="r2e", group_size=8, num_prompts=20000),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=20,

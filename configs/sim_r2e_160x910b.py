@@ -10,7 +10,7 @@ def sim_config() -> SimConfig:
         name="r2e-160x910b",
         profile="ascend910b",
         num_nodes=20,
-        batch=TrainingBatch(global_batch=512, group_size=4, activation_recompute=True, max_staleness=2),
+        batch=TrainingBatch(global_batch=512, group_size=4, recompute="full", max_staleness=2),
         workload=WorkloadConfig(name="r2e", group_size=4, num_prompts=4000),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=50,

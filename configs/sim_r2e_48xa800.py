@@ -11,7 +11,7 @@ def sim_config() -> SimConfig:
         name="r2e-48xa800",
         profile="a800",
         num_nodes=6,
-        batch=TrainingBatch(global_batch=128, group_size=4, activation_recompute=True, max_staleness=2),
+        batch=TrainingBatch(global_batch=128, group_size=4, recompute="full", max_staleness=2),
         workload=WorkloadConfig(name="r2e", group_size=4),
         # The original's 48-GPU experiment re-plans every 5 steps.
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),

@@ -10,7 +10,7 @@ def sim_config() -> SimConfig:
         name="search-r1-48xh200",
         profile="h200",
         num_nodes=6,
-        batch=TrainingBatch(global_batch=256, group_size=8, activation_recompute=True, max_staleness=2),
+        batch=TrainingBatch(global_batch=256, group_size=8, recompute="full", max_staleness=2),
         workload=WorkloadConfig(name="search_r1", group_size=8),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=100,

@@ -18,11 +18,15 @@ reference/megatron-cpu.md have the full inventory):
    accessors, and `torch.cuda.manual_seed` seeds the CPU generator (on a CPU worker the CPU
    generator *is* the device generator). Model-parallel dropout stays decorrelated across TP
    ranks, unlike Megatron's `inference_rng_tracker=True` shortcut.
-3. Hard-coded `device="cuda"`: only what local-spec `GPTModel` forward/backward with a user loop
-   and `torch.optim.AdamW` reaches, i.e. the causal mask that `FusedScaleMaskSoftmax` builds when
-   no `attention_mask` is passed (transformer/utils.py:35,40). Megatron's own optimizer, grad
-   clipping and `get_forward_backward_func` hard-code more (`device='cuda'`, `.type()` checks);
-   they are NOT covered: training code on the CPU uses its own loop and a torch optimizer.
+3. Hard-coded `device="cuda"`: the causal mask that `FusedScaleMaskSoftmax` builds when no
+   `attention_mask` is passed (transformer/utils.py:35,40), and the small tensors that Megatron's
+   optimizer, grad scaler, grad clipping, schedules and multi-tensor fallbacks create with a
+   literal `device="cuda"` (optimizer.py:473-485,907; clip_grads.py:90-207; grad_scaler.py;
+   schedules.py:596,983,2138; utils.py:1207). Those modules see a `torch` whose tensor factories
+   put a "cuda" tensor on the CPU (a module-level proxy: no per-op cost). The optimizers' checks
+   that parameters are `torch.cuda.*Tensor` (optimizer.py:671,690; distrib_optimizer.py:361,420,
+   582; clip_grads.py:167) run under a thread-local `TorchFunctionMode` that reports CPU tensors
+   with their CUDA type names, only inside the optimizer constructors and the clipping function.
 4. `torch.cuda.synchronize` is a no-op (pipeline p2p with `batch_p2p_sync`, timers): there is
    nothing to wait for on the CPU.
 5. Tied embeddings with PP > 1: `LanguageModule.setup_embeddings_and_output_layer`
@@ -31,6 +35,9 @@ reference/megatron-cpu.md have the full inventory):
    that method runs, and only in the thread running it, `Tensor.cuda()` returns the CPU tensor
    itself (a `TorchFunctionMode`, which is thread-local and costs nothing outside model
    construction). Swapping `torch.Tensor.cuda` process-wide would also hit other threads.
+
+This is what lets training run on the CPU through Megatron's own `DistributedDataParallel`,
+`get_megatron_optimizer` and `get_forward_backward_func`, the path the accelerators run.
 
 Patches 2, 3 and 5 change Megatron modules. Importing megatron.core costs ~4 s, which a rollout
 worker that never trains should not pay, so modules not yet imported are patched by an import hook
@@ -55,7 +62,7 @@ _PATCHED_ATTR = "_libra_cpu_patch"
 
 
 def apply() -> None:
-    """Applies the five patches (idempotent): torch.cuda now, Megatron modules now if imported,
+    """Applies the patches (idempotent): torch.cuda now, Megatron modules now if imported,
     else when they are imported."""
     _patch_torch_cuda()
     for module_name, patch in _MODULE_PATCHES.items():
@@ -220,10 +227,99 @@ def _patch_language_module(language_module: ModuleType) -> None:
     cls.setup_embeddings_and_output_layer = _mark(setup_embeddings_and_output_layer)
 
 
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _factory_on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return factory(*args, **kwargs)
+
+    return make
+
+
+class _TorchWithCpuFactories(ModuleType):
+    """`torch` as a Megatron module with literal `device="cuda"` tensors sees it: the tensor
+    factories of `_FACTORIES` put those on the CPU; every other name is torch's own."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _factory_on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_TORCH_WITH_CPU_FACTORIES = _TorchWithCpuFactories()
+
+
+def _patch_cuda_factories(module: ModuleType) -> None:
+    if module.__dict__.get("torch") is torch:
+        module.torch = _TORCH_WITH_CPU_FACTORIES
+
+
+class _CudaTypeNames(torch.overrides.TorchFunctionMode):
+    """`tensor.type()` answers `torch.cuda.FloatTensor` for a CPU float tensor, and so on."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
+            return result.replace("torch.", "torch.cuda.", 1) if ".cuda." not in result else result
+        return result
+
+
+def _with_cuda_type_names(function: Callable[..., Any]) -> Callable[..., Any]:
+    if _is_marked(function):
+        return function
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _CudaTypeNames():
+            return function(*args, **kwargs)
+
+    call.__name__, call.__doc__ = function.__name__, function.__doc__
+    return _mark(call)
+
+
+def _patch_optimizer_module(optimizer: ModuleType) -> None:
+    """`megatron.core.optimizer.optimizer`: the mixed-precision optimizer checks its params' types."""
+    _patch_cuda_factories(optimizer)
+    cls = optimizer.Float16OptimizerWithFloat16Params
+    cls.__init__ = _with_cuda_type_names(cls.__init__)
+    # Imported by name: patched already unless apply() ran after megatron was imported.
+    optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(optimizer.clip_grad_by_total_norm_fp32)
+
+
+def _patch_distrib_optimizer_module(distrib_optimizer: ModuleType) -> None:
+    _patch_cuda_factories(distrib_optimizer)
+    cls = distrib_optimizer.DistributedOptimizer
+    cls.__init__ = _with_cuda_type_names(cls.__init__)
+
+
+def _patch_clip_grads_module(clip_grads: ModuleType) -> None:
+    """`megatron.core.optimizer.clip_grads`; `optimizer.py` imports the clipping function by name
+    after this module ran, so it gets the patched one."""
+    _patch_cuda_factories(clip_grads)
+    clip_grads.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+
+
 _MODULE_PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "megatron.core.tensor_parallel.random": _patch_rng_module,
     "megatron.core.transformer.utils": _patch_mask_module,
     "megatron.core.models.common.language_module.language_module": _patch_language_module,
+    "megatron.core.utils": _patch_cuda_factories,
+    "megatron.core.optimizer.grad_scaler": _patch_cuda_factories,
+    "megatron.core.optimizer.clip_grads": _patch_clip_grads_module,
+    "megatron.core.optimizer.optimizer": _patch_optimizer_module,
+    "megatron.core.optimizer.distrib_optimizer": _patch_distrib_optimizer_module,
+    "megatron.core.pipeline_parallel.schedules": _patch_cuda_factories,
 }
 
 

@@ -147,6 +147,8 @@ def planning_problem(config: LibraConfig, job: JobConfig, model_dir: Path) -> Pl
             global_batch=job.batch_size,
             group_size=job.group_size,
             micro_batch_sizes=(1,),
+            distributed_optimizer=config.training.use_distributed_optimizer,
+            recompute=config.training.recompute,
             max_staleness=config.training.max_staleness,
         ),
         history=(RequestRecord(turn, turn),),

@@ -182,9 +182,12 @@ class TrainingBatch:
     """GRPO group size; a data-parallel rank must receive whole groups."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     distributed_optimizer: bool = True
-    """Optimizer state (fp32 master, Adam m and v) sharded over data-parallel ranks."""
-    activation_recompute: bool = False
-    """Full recompute: keep only layer inputs, run every forward twice."""
+    """Optimizer state (fp32 master, Adam m and v) sharded over data-parallel ranks
+    (`training.use_distributed_optimizer`)."""
+    recompute: str = "none"
+    """Activation recompute, as `training.recompute`: `full` keeps only each layer's input and runs
+    every forward twice; `selective` recomputes core attention, which flash attention (the
+    accelerators' Transformer-Engine spec) does not keep anyway: priced as `none` in memory."""
     recompute_logprobs: bool = True
     """One extra forward-only pass per step for the old policy's log-probs."""
     max_staleness: int = 0
@@ -203,6 +206,8 @@ class TrainingBatch:
             )
         if self.max_staleness < 0:
             raise ValueError(f"batch.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"batch.recompute must be none, selective or full, got {self.recompute!r}")
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(
                 f"batch.micro_batch_sizes must be non-empty positive, got {self.micro_batch_sizes}"

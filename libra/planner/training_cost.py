@@ -14,10 +14,12 @@ uses E[s^2], not E[s]^2) on one pipeline stage of L/pp layers:
   of which `DATA_PARALLEL_OVERLAP` hides behind the backward pass;
 - Adam step: memory bound, ~30 bytes touched per parameter of the rank's shard.
 
-Memory per device (Megatron mixed precision): bf16 weights (2 B/param), fp32 main grads (4),
-fp32 master + Adam m, v (12, divided by DP with the distributed optimizer), activations of
-min(pp, n_micro) in-flight micro-batches at the longest sequence (flash attention: no s^2 term),
-and fp32 logits + their gradient on the last stage.
+Memory per device, as `libra.training.engine` trains (Megatron DDP with fp32 gradient buffers,
+Megatron's optimizer): weights in the model dtype (2 B/param in bf16), fp32 main grads (4), the
+optimizer state (`optimizer_state_bytes`: an fp32 main copy for a bf16 model and Adam's m and v,
+divided by DP with the distributed optimizer), activations of min(pp, n_micro) in-flight
+micro-batches at the longest sequence (flash attention: no s^2 term; full recompute keeps only
+each layer's input), and fp32 logits + their gradient on the last stage.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ from libra.planner.cost_model import (
 DATA_PARALLEL_OVERLAP = 0.4
 """Share of the gradient synchronisation hidden behind the backward pass (the original assumes 30-50%)."""
 ADAM_BYTES_PER_PARAM = 30
+
+
+def optimizer_state_bytes(num_params: float, bytes_per_param: int, dp: int, distributed: bool) -> float:
+    """Megatron's optimizer state on one rank holding `num_params` of the model: Adam's m and v in
+    fp32, plus an fp32 main copy when the model is in a 16-bit dtype (an fp32 model is its own main
+    copy); the distributed optimizer divides it over the DP ranks."""
+    per_param = 8 + (4 if bytes_per_param < 4 else 0)
+    return per_param * num_params / (dp if distributed else 1)
 
 
 @dataclass(frozen=True, order=True)
@@ -127,7 +137,7 @@ class TrainingCostModel:
         layer_flops = 2 * seqs.mean * m.params_per_layer + 2 * seqs.mean_square * m.query_dim
         logits_flops = 2 * seqs.mean * m.hidden_size * m.vocab_size
         forward_compute = mb * (layers * layer_flops + logits_flops) / (cfg.tp * profile.peak_bf16_flops)
-        backward_compute = forward_compute * (3 if self.batch.activation_recompute else 2)
+        backward_compute = forward_compute * (3 if self.batch.recompute == "full" else 2)
 
         pp_link, dp_link = self._links(cfg)
         activation_bytes = mb * seqs.mean * m.hidden_size * m.bytes_per_param
@@ -167,13 +177,15 @@ class TrainingCostModel:
         the last stage's logits are added too, a safe upper bound)."""
         m = self.model
         shard_params = m.num_params / cfg.replica_size
-        optimizer = 12 * shard_params / (cfg.dp if self.batch.distributed_optimizer else 1)
+        optimizer = optimizer_state_bytes(
+            shard_params, m.bytes_per_param, cfg.dp, self.batch.distributed_optimizer
+        )
         states = (m.bytes_per_param + 4) * shard_params + optimizer
 
         s, mb, d = seqs.max, cfg.micro_batch, m.hidden_size
         layers = m.num_layers / cfg.pp
         per_layer = s * mb * d * (10 + 24 / cfg.tp)
-        if self.batch.activation_recompute:
+        if self.batch.recompute == "full":
             per_micro_batch = layers * s * mb * d * m.bytes_per_param + per_layer
         else:
             per_micro_batch = layers * per_layer

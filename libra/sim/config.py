@@ -212,7 +212,7 @@ class SimConfig:
     model: ModelArch = QWEN3_14B
     batch: TrainingBatch = field(
         default_factory=lambda: TrainingBatch(
-            global_batch=128, group_size=4, activation_recompute=True, max_staleness=2
+            global_batch=128, group_size=4, recompute="full", max_staleness=2
         )
     )
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recompute: `selective` recomputes core attention, `full` whole layers (one at a time)."""
+
 
 @dataclass
 class GrpoConfig:
@@ -90,6 +93,17 @@ class TrainingConfig:
     """Trajectories consumed per train step (the staleness gate's capacity unit)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) before training."""
+    use_distributed_optimizer: bool = True
+    """Megatron's distributed optimizer (ZeRO-1): fp32 main parameters and Adam state sharded
+    across the DP ranks, gradients reduce-scattered and parameters all-gathered. False: every DP
+    rank holds the whole optimizer state and gradients are all-reduced."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's DP reduction while backward still runs (Megatron DDP). Pays on
+    accelerators, where the reduction runs on its own stream; on the CPU it runs on gloo's threads,
+    which share the cores with compute."""
+    recompute: str = "none"
+    """Activation recompute (`RECOMPUTE_MODES`): `none`, `selective` (core
+    attention) or `full` (every layer; least activation memory, about a third more compute)."""
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
 
     def __post_init__(self) -> None:
@@ -118,6 +132,8 @@ class TrainingConfig:
             raise ValueError(f"training.grad_clip must be >= 0, got {self.grad_clip}")
         if self.max_staleness < 0:
             raise ValueError(f"training.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"training.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
 
     @property
     def world_size(self) -> int:

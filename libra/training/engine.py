@@ -1,14 +1,22 @@
 """One train rank: a Megatron `GPTModel` stage with per-token logprobs, GRPO steps, checkpoints
-and HF export.
+and HF export, trained through Megatron's own machinery on every backend:
+
+- the model wrapped in Megatron `DistributedDataParallel` (contiguous fp32 grad buffers in
+  buckets; the DP reduction, optionally overlapped with backward);
+- the optimizer from `get_megatron_optimizer`: fp32 main parameters for a bf16 model (an update
+  of 1e-6 rounds away on a bf16 weight), and with the distributed optimizer the main parameters
+  and Adam state sharded across DP (ZeRO-1);
+- micro-batches and pipeline stages through `get_forward_backward_func` (1F1B when PP > 1);
+- Megatron's `finalize_model_grads` for the DP reduction, the tied embedding across the first and
+  last stage and Qwen3's per-head QK-norm weights across TP.
+
+The cpu backend's patches (`libra.backends.cpu_megatron_patches`) let this run over gloo.
 
 Every rank of a job receives the same global batch and derives the same plan from it (DP shares,
-micro-batches), so peers agree without extra messages. Gradients are reduced explicitly rather
-than through Megatron's DDP and optimizer, which hard-code CUDA (the cpu backend patches only
-model forward/backward): a sum over the DP group, the tied embedding over Megatron's embedding
-group (first and last stage), and Qwen3's per-head QK-norm weights over the TP group (each TP
-rank sees different heads). The pipeline schedule is the simplest correct one: each micro-batch
-runs forward through the stages and straight back (no overlap), over blocking point-to-point
-sends; that is enough for CPU jobs and exact.
+micro-batches), so peers agree without extra messages. The GRPO objective of a micro-batch is
+already weighted by its share of the whole mini-batch (`_token_scale`), so the schedules run with
+`calculate_per_token_loss` (no division by the micro-batch count) and DDP sums over DP rather
+than averaging: after the reduction every rank holds the mini-batch's gradient.
 
 Token layout: a trajectory is `prompt + response` (P + R tokens) fed as one row; the logits at
 position t predict token t+1, so response token j is scored at position P - 1 + j.
@@ -16,7 +24,8 @@ position t predict token t+1, so response token j is scored at position P - 1 + 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +67,8 @@ class StepResult:
 class _Rows:
     """One micro-batch, padded, with per-position values aligned to the logits (see module doc)."""
 
+    indices: tuple[int, ...]
+    """The rows' positions in the batch."""
     tokens: torch.Tensor
     targets: torch.Tensor
     mask: torch.Tensor
@@ -66,9 +77,17 @@ class _Rows:
 
 class TrainEngine:
     def __init__(
-        self, arch: ModelArchitecture, cfg: TrainingConfig, info: RankInfo, device: torch.device | None = None
+        self,
+        arch: ModelArchitecture,
+        cfg: TrainingConfig,
+        info: RankInfo,
+        device: torch.device | None = None,
+        with_optimizer: bool = True,
     ):
+        """`with_optimizer=False`: a replica that only computes gradients and takes its weights
+        from elsewhere (an elastic hybrid replica): no fp32 main copy, no Adam state."""
         from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if (info.tp_size, info.pp_size, info.dp_size) != (
             cfg.tensor_parallel,
@@ -82,41 +101,49 @@ class TrainEngine:
         self.arch, self.cfg, self.info = arch, cfg, info
         self.device = device or torch.device("cpu")
         self.dtype = _DTYPES[cfg.dtype]
-        self.model = build_gpt_model(
-            arch,
-            info.tp_size,
-            info.pp_size,
-            pre_process=info.is_first_stage,
-            post_process=info.is_last_stage,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-        )
+        self.model = self._build_stage(cfg.recompute)
+        """The bare stage: parameter names, export, checkpoints."""
+        self.ddp_model = _wrap_in_ddp(self.model, cfg)
+        """What runs forward and backward."""
+        self.optimizer = _build_optimizer(self.ddp_model, cfg) if with_optimizer else None
+        self._forward_backward = get_forward_backward_func()
         self.gate = StalenessGate(cfg.max_staleness, cfg.train_batch_size)
         self.ref_model = None
-        self._tp_group = ps.get_tensor_model_parallel_group()
+        self._ref_forward = None
         self._dp_group = ps.get_data_parallel_group()
         self._pp_group = ps.get_pipeline_model_parallel_group()
-        self._mp_group = ps.get_model_parallel_group()
-        self._prev_rank = None if info.is_first_stage else ps.get_pipeline_model_parallel_prev_rank()
-        self._next_rank = None if info.is_last_stage else ps.get_pipeline_model_parallel_next_rank()
+        self._tp_group = ps.get_tensor_model_parallel_group()
         self._vocab_start = info.tp_rank * padded_vocab_size(arch.vocab_size, info.tp_size) // info.tp_size
         self.peer: GradientPeer | None = None
         """Set while this rank exchanges gradients with an elastic hybrid replica
         (`libra.training.hybrid`); None: plain Megatron DP."""
         self.reset_reference()
 
+    def _build_stage(self, recompute: str = "none"):
+        return build_gpt_model(
+            self.arch,
+            self.info.tp_size,
+            self.info.pp_size,
+            pre_process=self.info.is_first_stage,
+            post_process=self.info.is_last_stage,
+            dtype=self.dtype,
+            device=self.device,
+            recompute=recompute,
+        )
+
     @property
     def version(self) -> int:
         return self.gate.version
 
     # -- weights ---------------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """In a fixed order, the same on every replica of this stage."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def main_grads(self) -> list[torch.Tensor]:
+        """This rank's (fp32) gradient of each trainable parameter: views into DDP's grad buffers."""
+        return [p.main_grad for p in self.trainable_parameters()]
 
     def load_hf(self, get_hf: Callable[[str], torch.Tensor]) -> None:
         """Loads full HF tensors (`hf_weights.hf_tensor_reader`) into this rank's shard."""
@@ -141,7 +168,14 @@ class TrainEngine:
                         f"{name}: model shard {tuple(params[name].shape)} vs converted {tuple(tensor.shape)}"
                     )
                 params[name].copy_(tensor)
+        self.weights_changed()
         self.reset_reference()
+
+    def weights_changed(self) -> None:
+        """The model's parameters were written from outside: the optimizer's fp32 main copy (or
+        its DP shard of it) takes them over."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     def reset_reference(self) -> None:
         """The KL reference policy becomes a frozen copy of the current weights (when KL is on)."""
@@ -149,15 +183,8 @@ class TrainEngine:
             return
         if self.ref_model is None:
             # A second stage built the same way (models hold process groups: no deepcopy).
-            self.ref_model = build_gpt_model(
-                self.arch,
-                self.info.tp_size,
-                self.info.pp_size,
-                pre_process=self.info.is_first_stage,
-                post_process=self.info.is_last_stage,
-                dtype=self.dtype,
-                device=self.device,
-            ).requires_grad_(False)
+            self.ref_model = self._build_stage().requires_grad_(False)
+            self._ref_forward = _in_params_dtype(self.ref_model)
         with torch.no_grad():
             for ref, current in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
                 ref.copy_(current)
@@ -174,11 +201,11 @@ class TrainEngine:
 
     # -- logprobs --------------------------------------------------------------------------------
 
-    def compute_logprobs(self, trajectories: Sequence[Trajectory], model=None) -> list[list[float]]:
+    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         """Per response token logprob under the current policy (0.0 where the loss mask is 0)."""
         _check_batch(trajectories)
         # Outside a train step: no exchange with a hybrid replica, this rank's DP layout only.
-        padded = self._forward_only(trajectories, model or self.model, with_peer=False)
+        padded = self._forward_only(trajectories, self.ddp_model, with_peer=False)
         return [padded[i, : len(t.response_token_ids)].tolist() for i, t in enumerate(trajectories)]
 
     @torch.no_grad()
@@ -210,21 +237,18 @@ class TrainEngine:
         """The logprobs of one DP share's rows (zeros elsewhere), on the last stage."""
         width = max(len(t.response_token_ids) for t in trajectories)
         out = torch.zeros(len(trajectories), width, dtype=torch.float32)
-        for mb in self._my_micro_batches(trajectories, range(len(trajectories)), share):
-            rows = self._rows(trajectories, mb, {})
-            output = self._stage_forward(model, rows, requires_grad=False)
-            if self.info.is_last_stage:
-                logp, _ = self._logprobs(output, rows.targets, with_entropy=False)
-                for row, index in enumerate(mb.indices):
-                    start, n = (
-                        len(trajectories[index].prompt_token_ids) - 1,
-                        len(trajectories[index].response_token_ids),
-                    )
-                    out[index, :n] = (
-                        logp[row, start : start + n] * rows.mask[row, start : start + n]
-                    ).float()
-            else:
-                self._send(output)
+
+        def score(rows: _Rows, logits: torch.Tensor) -> torch.Tensor:
+            logp, _ = self._logprobs(logits, rows.targets, with_entropy=False)
+            for row, index in enumerate(rows.indices):
+                start = len(trajectories[index].prompt_token_ids) - 1
+                n = len(trajectories[index].response_token_ids)
+                out[index, :n] = (logp[row, start : start + n] * rows.mask[row, start : start + n]).float()
+            return logits.new_zeros(())
+
+        micro_batches = self._my_micro_batches(trajectories, range(len(trajectories)), share)
+        rows = [self._rows(trajectories, mb, {}) for mb in micro_batches]
+        self._run_schedule(model, rows, score, forward_only=True)
         return out
 
     # -- training --------------------------------------------------------------------------------
@@ -250,8 +274,8 @@ class TrainEngine:
             advantages = group_advantages(
                 [t.reward for t in batch], [t.group_id for t in batch], self.cfg.grpo
             )
-            old = self._forward_only(batch, self.model) if self.cfg.recompute_old_logprobs else None
-            ref = self._forward_only(batch, self.ref_model) if self.ref_model is not None else None
+            old = self._forward_only(batch, self.ddp_model) if self.cfg.recompute_old_logprobs else None
+            ref = self._forward_only(batch, self._ref_forward) if self.ref_model is not None else None
             for minibatch in _chunks(len(batch), self.cfg.num_minibatches):
                 stats, grad_norm = self._optimizer_step(batch, minibatch, advantages, old, ref)
                 totals += stats
@@ -272,54 +296,57 @@ class TrainEngine:
         )
 
     def _optimizer_step(self, batch, indices, advantages, old, ref) -> tuple[torch.Tensor, float]:
-        """Forward/backward over this rank's micro-batches of the mini-batch `indices`, gradient
-        reduction, clipping, AdamW. Returns [loss, pg, kl, entropy, clipped, tokens] sums of the
-        whole mini-batch (all ranks) and the grad norm."""
+        """Forward/backward over this rank's micro-batches of the mini-batch `indices`, then the
+        reduction and the optimizer step. Returns [loss, pg, kl, entropy, clipped, tokens] sums of
+        the whole mini-batch (all ranks) and the grad norm before clipping."""
         num_tokens = sum(sum(batch[i].loss_mask) for i in indices)
-        self._zero_grads()
+        self.ddp_model.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+        def backward(share: tuple[int, int]) -> torch.Tensor:
+            return self._backward_share(batch, indices, advantages, old, ref, num_tokens, share)
+
         if self.peer is None:
-            stats = self._backward_share(batch, indices, advantages, old, ref, num_tokens, self._share())
-            stats = self._reduce_grads_and_stats(stats)
-        else:
-            stats = (
-                self._backward_share(batch, indices, advantages, old, ref, num_tokens, self._share())
-                if self.peer.computes()
-                else torch.zeros(6, dtype=torch.float64)
-            )
-            # The peer adds the hybrid replica's gradients before the DP reduction (or, on the
-            # hybrid side, sends them and takes the reduced ones back); `fill_in` computes a
-            # share here when the replica that owned it failed.
-            stats = self.peer.reduce_gradients(
-                self,
-                stats,
-                lambda share: self._backward_share(batch, indices, advantages, old, ref, num_tokens, share),
-            )
-        grad_norm = self._clip_grads()
-        self.optimizer.step()
-        return stats, grad_norm
+            return self.reduce_and_step(backward(self._share()))
+        stats = backward(self._share()) if self.peer.computes() else torch.zeros(6, dtype=torch.float64)
+        # The peer adds the hybrid replica's gradients before the DP reduction and sends the
+        # stepped weights back (or, on the hybrid side, sends its gradients and takes the
+        # weights); `backward(share)` computes a share here when the replica that owned it failed.
+        return self.peer.step(self, stats, backward)
 
-    def _zero_grads(self) -> None:
-        """Zero gradients, allocated where none exists yet: a rank whose DP share of a mini-batch
-        is empty (fewer trajectories than shares) still takes part in the gradient reduction."""
-        for p in self.model.parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
+    def reduce_and_step(self, stats: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The core's reduction (DP, tied embedding, QK-norm; the stats' sum) and optimizer step.
+        Returns the mini-batch's stats and the grad norm before clipping."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    def _reduce_grads_and_stats(self, stats: torch.Tensor) -> torch.Tensor:
-        """The core's DP (and tied-embedding, QK-norm) gradient reduction and the stats' sum."""
-        self._reduce_grads()
+        if self.optimizer is None:
+            raise RuntimeError("this replica was built without an optimizer: it cannot step")
+        if self.cfg.overlap_grad_reduce:
+            self._start_pending_grad_sync()
+        finalize_model_grads([self.ddp_model])
         dist.all_reduce(stats, group=self._dp_group)
         dist.all_reduce(stats, group=self._pp_group)
-        return stats
+        stepped, grad_norm, _ = self.optimizer.step()
+        if not stepped:
+            raise RuntimeError("the optimizer skipped its step: non-finite gradients")
+        if self.cfg.grad_clip <= 0:  # Megatron computes the norm only to clip
+            grad_norm = self.optimizer.get_grad_norm()
+        return stats, float(grad_norm)
+
+    def _start_pending_grad_sync(self) -> None:
+        """With overlap, backward's last micro-batch starts each bucket's DP reduction; a rank that
+        ran no backward (an empty share) or deferred it (gradients still to come from a hybrid
+        replica) starts the rest here, so that `finish_grad_sync` has something to wait for."""
+        for group in self.ddp_model.bucket_groups + self.ddp_model.expert_parallel_bucket_groups:
+            if group.grad_reduce_handle is None:
+                group.start_grad_sync()
 
     def _backward_share(self, batch, indices, advantages, old, ref, num_tokens, share) -> torch.Tensor:
         """Forward/backward of one DP share of the mini-batch `indices`, accumulating into the
-        gradients; returns that share's [loss, pg, kl, entropy, clipped, tokens] sums."""
+        grad buffers; returns that share's [loss, pg, kl, entropy, clipped, tokens] sums."""
         stats = torch.zeros(6, dtype=torch.float64)
+        rows = []
         for mb in self._my_micro_batches(batch, indices, share):
             extra = {
                 "rollout": [batch[i].rollout_logprobs for i in mb.indices],
@@ -336,24 +363,23 @@ class TrainEngine:
             )
             if ref is not None:
                 extra["ref"] = [ref[i, : len(batch[i].response_token_ids)].tolist() for i in mb.indices]
-            rows = self._rows(batch, mb, extra)
-            output = self._stage_forward(self.model, rows, requires_grad=True)
-            if self.info.is_last_stage:
-                logp, entropy = self._logprobs(output, rows.targets, with_entropy=True)
-                terms = grpo_token_loss(
-                    logp,
-                    rows.values["old"],
-                    rows.values["rollout"],
-                    rows.values["advantage"],
-                    rows.mask,
-                    self.cfg.grpo,
-                    ref_logp=rows.values.get("ref"),
-                    entropy=entropy,
-                    scale=rows.values["scale"],
-                )
-                # Scales are of the global mini-batch: micro-batches and DP ranks sum to its loss.
-                terms.objective.backward()
-                stats += torch.tensor(
+            rows.append(self._rows(batch, mb, extra))
+
+        def objective(rows: _Rows, logits: torch.Tensor) -> torch.Tensor:
+            logp, entropy = self._logprobs(logits, rows.targets, with_entropy=True)
+            terms = grpo_token_loss(
+                logp,
+                rows.values["old"],
+                rows.values["rollout"],
+                rows.values["advantage"],
+                rows.mask,
+                self.cfg.grpo,
+                ref_logp=rows.values.get("ref"),
+                entropy=entropy,
+                scale=rows.values["scale"],
+            )
+            stats.add_(
+                torch.tensor(
                     [
                         terms.loss_sum.item(),
                         terms.pg_sum.item(),
@@ -364,12 +390,28 @@ class TrainEngine:
                     ],
                     dtype=torch.float64,
                 )
-            else:
-                self._send(output)
-                output.backward(self._recv(output.shape, output.dtype, self._next_rank))
-            if not self.info.is_first_stage:
-                self._send_grad(rows)
+            )
+            # Scales are of the global mini-batch: micro-batches and DP ranks sum to its loss.
+            return terms.objective
+
+        with self._grad_sync_deferred(self.peer is not None):
+            self._run_schedule(self.ddp_model, rows, objective, forward_only=False)
         return stats
+
+    @contextlib.contextmanager
+    def _grad_sync_deferred(self, defer: bool) -> Iterator[None]:
+        """While a hybrid replica's gradients are still to be added, no micro-batch's backward may
+        start the DP reduction (the schedule would let the last one do so)."""
+        if not defer:
+            yield
+            return
+        config = self.model.config
+        no_sync_func, config.no_sync_func = config.no_sync_func, None
+        try:
+            with self.ddp_model.no_sync():
+                yield
+        finally:
+            config.no_sync_func = no_sync_func
 
     def _token_scale(self, trajectory: Trajectory, num_rows: int, num_tokens: int) -> float:
         """Weight of each of `trajectory`'s tokens in a mini-batch of `num_rows` trajectories and
@@ -378,7 +420,45 @@ class TrainEngine:
             return 1.0 / (max(sum(trajectory.loss_mask), 1) * num_rows)
         return 1.0 / max(num_tokens, 1)
 
-    # -- pipeline plumbing -----------------------------------------------------------------------
+    # -- the schedule ----------------------------------------------------------------------------
+
+    def _run_schedule(
+        self,
+        model,
+        rows: list[_Rows],
+        on_logits: Callable[[_Rows, torch.Tensor], torch.Tensor],
+        forward_only: bool,
+    ) -> None:
+        """Runs `rows` through Megatron's schedule for this layout (1F1B across the pipeline
+        stages); on the last stage `on_logits(rows, logits [B, S, V/TP])` gives each micro-batch's
+        objective (backward runs from it unless `forward_only`). A rank with no rows (an empty DP
+        share) runs nothing: its gradients stay zero and the reduction still counts it."""
+        if not rows:
+            return
+        positions = {}
+
+        def forward_step(data_iterator, stage):
+            micro_batch = next(data_iterator)
+            length = micro_batch.tokens.shape[1]
+            if length not in positions:
+                positions[length] = torch.arange(length, device=self.device)[None, :]
+            output = stage(micro_batch.tokens, positions[length].expand_as(micro_batch.tokens), None)
+
+            def loss(logits: torch.Tensor):
+                objective = on_logits(micro_batch, logits)
+                return objective, micro_batch.mask.sum().to(torch.int), {}
+
+            return output, loss
+
+        self._forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(rows),
+            model=[model],
+            num_microbatches=len(rows),
+            seq_length=rows[0].tokens.shape[1],
+            micro_batch_size=rows[0].tokens.shape[0],
+            forward_only=forward_only,
+        )
 
     def _share(self) -> tuple[int, int]:
         """(this rank's DP share, number of shares): Megatron's DP rank and size, or the
@@ -411,21 +491,12 @@ class TrainEngine:
             for name, rows in extra.items():
                 values[name][row, start : start + n] = torch.tensor(rows[row], dtype=torch.float32)
         return _Rows(
+            tuple(mb.indices),
             tokens.to(self.device),
             targets.to(self.device),
             mask.to(self.device),
             {k: v.to(self.device) for k, v in values.items()},
         )
-
-    def _stage_forward(self, model, rows: _Rows, requires_grad: bool) -> torch.Tensor:
-        """This stage's output: hidden states [S, B, H] to send on, or logits [B, S, V/TP]."""
-        if not self.info.is_first_stage:
-            shape = (rows.tokens.shape[1], rows.tokens.shape[0], self.arch.hidden_size)
-            received = self._recv(shape, self.dtype, self._prev_rank).requires_grad_(requires_grad)
-            rows.values["_input"] = received
-            model.set_input_tensor(received)
-        positions = torch.arange(rows.tokens.shape[1], device=self.device).expand_as(rows.tokens)
-        return model(rows.tokens, positions, None)
 
     def _logprobs(self, logits_BSV: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
         logits = mask_vocab_padding(logits_BSV, self._vocab_start, self.arch.vocab_size)
@@ -435,65 +506,12 @@ class TrainEngine:
             logits, targets, self._vocab_start, self._tp_group, self.info.tp_size, with_entropy=with_entropy
         )
 
-    def _send(self, tensor: torch.Tensor) -> None:
-        dist.send(tensor.detach().contiguous(), self._next_rank)
-
-    def _recv(self, shape, dtype, source: int) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buffer, source)
-        return buffer
-
-    def _send_grad(self, rows: _Rows) -> None:
-        received = rows.values["_input"]
-        grad = received.grad if received.grad is not None else torch.zeros_like(received)
-        dist.send(grad.contiguous(), self._prev_rank)
-
-    # -- gradients -------------------------------------------------------------------------------
-
-    def _reduce_grads(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.info.dp_size > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=self._dp_group)
-        if (
-            self.arch.tie_word_embeddings
-            and self.info.pp_size > 1
-            and (self.info.is_first_stage or self.info.is_last_stage)
-        ):
-            shared = self.model.shared_embedding_or_output_weight()
-            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
-        if self.arch.qk_norm and self.info.tp_size > 1:
-            for name, p in self.model.named_parameters():
-                if "q_layernorm" in name or "k_layernorm" in name:
-                    dist.all_reduce(p.grad, group=self._tp_group)
-
-    def _clip_grads(self) -> float:
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        duplicate_tied = None
-        if self.arch.tie_word_embeddings and self.info.pp_size > 1 and self.info.is_last_stage:
-            duplicate_tied = self.model.shared_embedding_or_output_weight()
-        squares = torch.zeros((), dtype=torch.float64)
-        for p in self.model.parameters():
-            if p.grad is None or p is duplicate_tied or not param_is_not_tensor_parallel_duplicate(p):
-                continue
-            squares += p.grad.double().pow(2).sum()
-        dist.all_reduce(squares, group=self._mp_group)
-        norm = squares.sqrt().item()
-        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
-            scale = self.cfg.grad_clip / (norm + 1e-6)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
-
     # -- checkpoints -----------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> None:
-        """Megatron `dist_checkpointing` (torch_dist): loadable at any other TP/PP. Holds the
-        model, the AdamW state, the KL reference weights (when KL is on), the policy version and
+        """Megatron `dist_checkpointing` (torch_dist): loadable at any other TP/PP/DP. Holds the
+        model, the optimizer's fp32 main parameters and Adam state (sharded as the distributed
+        optimizer shards them), the KL reference weights (when KL is on), the policy version and
         the staleness gate's counters."""
         from pathlib import Path
 
@@ -506,62 +524,85 @@ class TrainEngine:
         dist.barrier()
         # Megatron's default writer forks, which hangs inside the gRPC worker (see the module).
         dist_checkpointing.save(
-            self._sharded_state_dict(), directory, sharded_strategy=in_thread_save_strategy()
+            self._sharded_state_dict(loading=False), directory, sharded_strategy=in_thread_save_strategy()
         )
 
     def load_checkpoint(self, directory: str, release_in_flight: bool = True) -> None:
         from megatron.core import dist_checkpointing
 
-        loaded = dist_checkpointing.load(self._sharded_state_dict(), directory)
+        loaded = dist_checkpointing.load(self._sharded_state_dict(loading=True), directory)
         _load_params(self.model, loaded["model"])
         if self.ref_model is not None:
             _load_params(
                 self.ref_model, {k.removeprefix("reference."): v for k, v in loaded["reference"].items()}
             )
-        optim = self.optimizer.state_dict()
-        for param_id, state in loaded["optimizer"]["state"].items():
-            optim["state"][param_id].update({k: v.clone() for k, v in state.items()})
-            optim["state"][param_id]["step"] = torch.tensor(float(loaded["libra"]["adam_step"]))
-        self.optimizer.load_state_dict(optim)
+        if self.optimizer is not None:
+            _load_optimizer_state(self.optimizer, loaded["optimizer"])
         self.gate.load_state_dict(loaded["libra"]["staleness"], release_in_flight=release_in_flight)
 
-    def _sharded_state_dict(self) -> dict:
-        from megatron.core.dist_checkpointing.optimizer import (
-            get_param_id_to_sharded_param_map,
-            optim_state_to_sharding_state,
-        )
-
-        self._init_optimizer_state()
+    def _sharded_state_dict(self, loading: bool) -> dict:
         model_sd = self.model.sharded_state_dict(prefix="")
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        optim_sd = self.optimizer.state_dict()
-        step = int(next(iter(optim_sd["state"].values()))["step"].item())
-        optim_state_to_sharding_state(
-            optim_sd, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys=("step",)
-        )
         state = {
             "model": model_sd,
-            "optimizer": optim_sd,
-            "libra": {
-                "adam_step": step,
-                "staleness": self.gate.state_dict(),
-                "architecture": self.arch.to_dict(),
-            },
+            "libra": {"staleness": self.gate.state_dict(), "architecture": self.arch.to_dict()},
         }
+        if self.optimizer is not None:
+            self._init_optimizer_state()
+            # The distributed optimizer's layout that loads at any other TP/PP/DP (its shards are
+            # gathered in model space); on the CPU over gloo, which the gather otherwise avoids.
+            metadata = {
+                "distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": self.device.type == "cpu",
+            }
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=loading, metadata=metadata
+            )
         if self.ref_model is not None:
             state["reference"] = self.ref_model.sharded_state_dict(prefix="reference.")
         return state
 
     def _init_optimizer_state(self) -> None:
-        """AdamW creates its state lazily at the first step; a checkpoint needs it to exist."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if not self.optimizer.state[p]:
-                    self.optimizer.state[p] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(p),
-                        "exp_avg_sq": torch.zeros_like(p),
-                    }
+        """Adam creates its state at the first step; a checkpoint needs it to exist, both to save
+        before one and to load into a fresh optimizer."""
+        if self.optimizer is None:
+            return
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = optimizer.optimizer
+            params = [p for group in inner.param_groups for p in group["params"]]
+            if any(len(inner.state[p]) == 0 for p in params):
+                optimizer.init_state_fn(inner, optimizer.config)
+                for p in params:  # torch's Adam counts steps per parameter; none taken yet
+                    inner.state[p].setdefault("step", torch.tensor(0.0))
+
+    def _inner_optimizers(self) -> list:
+        """The torch optimizers inside Megatron's: they step the fp32 main parameters."""
+        if self.optimizer is None:
+            return []
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    def main_parameters(self) -> list[torch.Tensor]:
+        """The parameters the optimizer steps: fp32 main copies for a bf16 model (this rank's DP
+        shard of them with the distributed optimizer), else the model's own parameters."""
+        return [
+            p for inner in self._inner_optimizers() for group in inner.param_groups for p in group["params"]
+        ]
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer (after its first step): main parameters that
+        are not the model's own, and Adam's moments."""
+        model_storage = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        total = 0
+        for inner in self._inner_optimizers():
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if p.untyped_storage().data_ptr() not in model_storage:
+                        total += p.numel() * p.element_size()
+                    total += sum(
+                        v.numel() * v.element_size()
+                        for v in inner.state[p].values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0
+                    )
+        return total
 
 
 class GradientPeer(Protocol):
@@ -582,11 +623,110 @@ class GradientPeer(Protocol):
     def logprobs_reduced(self, out: torch.Tensor) -> torch.Tensor:
         """The full table once the core has reduced it (a hybrid replica receives it here)."""
 
-    def reduce_gradients(
+    def step(
         self, engine: TrainEngine, stats: torch.Tensor, fill_in: Callable[[tuple[int, int]], torch.Tensor]
-    ) -> torch.Tensor:
-        """Leaves the globally reduced gradients in the parameters' `.grad`; returns the summed
-        stats of the whole mini-batch."""
+    ) -> tuple[torch.Tensor, float]:
+        """Completes the optimizer step of a mini-batch whose local gradients are in the grad
+        buffers, leaving the stepped weights in the model; returns the summed stats of the whole
+        mini-batch and the grad norm before clipping."""
+
+
+def _wrap_in_ddp(model, cfg: TrainingConfig):
+    """Megatron DDP around the stage (and a `Float16Module` for a bf16 one, which hands the last
+    stage's logits on in fp32): gradients accumulate in fp32 buffers, reduced over DP in buckets."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=cfg.overlap_grad_reduce,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        ),
+        _in_params_dtype(model),
+    )
+    # The schedules hold back the reduction until the last micro-batch's backward.
+    model.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def _in_params_dtype(model):
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(model.config, model) if model.config.bf16 else model
+
+
+def _build_optimizer(ddp_model, cfg: TrainingConfig):
+    """Megatron's Adam (decoupled weight decay) over DDP's buffers; fp32 main parameters for a
+    bf16 model; sharded over DP with the distributed optimizer."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    bf16 = cfg.dtype == "bfloat16"
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.grad_clip,
+            bf16=bf16,
+            params_dtype=_DTYPES[cfg.dtype],
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        ),
+        [ddp_model],
+    )
+    # The learning rate is constant: each group's rate and decay are set once here (Megatron's
+    # groups carry multipliers, e.g. no decay on norms, that its LR scheduler would apply).
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
+    return optimizer
+
+
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    """Megatron's `optimizer.load_state_dict(state)`, mended for megatron-core 0.16's distributed
+    optimizer over torch's Adam (no TE or Apex: the CPU, or a GPU without them):
+    - it allocates the state it loads only into an optimizer that holds none (the state made to
+      describe the checkpoint goes first);
+    - it gives every parameter Adam's `step` from the param groups, then copies every state key
+      from the loaded tensors, which carry none (KeyError): the copy runs with `step` set aside;
+    - that `step` is one tensor shared by all parameters, which torch's Adam increments once per
+      parameter per step (wrong bias correction from the first step on): each gets its own."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for part in chained:
+        part.optimizer.state.clear()
+    originals = {}
+    for part in chained:
+        if not isinstance(part, DistributedOptimizer):
+            continue
+        originals[part] = copy_states = part._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, part=part, copy_states=copy_states):
+            group_index, group_order = part.model_param_group_index_map[model_param]
+            param_state = part.optimizer.state[
+                part.optimizer.param_groups[group_index]["params"][group_order]
+            ]
+            step = param_state.pop("step", None) if "step" not in tensors else None
+            try:
+                copy_states(model_param, tensors)
+            finally:
+                if step is not None:
+                    param_state["step"] = step
+
+        part._set_main_param_and_optimizer_states = set_states
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for part in originals:
+            del part._set_main_param_and_optimizer_states  # the class's method again
+    for part in chained:
+        for param_state in part.optimizer.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = param_state["step"].clone()
 
 
 def _check_batch(trajectories: Sequence[Trajectory]) -> None:

@@ -8,13 +8,12 @@ separate process with its own world, connected to its paired core rank by one TC
 hybrid replica D + r pairing with core DP rank r. The protocol follows `libra.planner.elastic`:
 
 - REQUESTED: the hybrid process starts (on devices taken from rollout) and says hello.
-- FETCHING_STATE: at the next step boundary the core snapshots its state (weights, AdamW state,
-  staleness gate; the KL reference when on) and sends it; from that step on it streams every
-  step's batch and, after each DP reduction, the reduced gradients and stats.
+- FETCHING_STATE: at the next step boundary the core snapshots its state (weights, staleness
+  gate; the KL reference when on) and sends it; from that step on it streams every step's batch
+  and, after each optimizer step, the stepped weights and the mini-batch's stats.
 - ZERO_SYNC: once the hybrid has loaded the snapshot. It runs no forward/backward, contributes
-  nothing, and replays each step: the same gate decisions, the core's reduced gradients, the same
-  clipping and AdamW step. That is exact lockstep (identical inputs to identical operations); the
-  core never waits for it (sends are queued on a sender thread).
+  nothing, and replays each step: the same gate decisions, and the core's stepped weights copied
+  in. That is exact lockstep; the core never waits for it (sends are queued on a sender thread).
 - ACTIVATING: on request, at a step boundary the core sends `activate` and waits (bounded) for
   the hybrid to answer; the answer comes after the hybrid has replayed every earlier step.
 - ACTIVE: at each step boundary the core ranks agree (one all-reduce over the DP group) which
@@ -23,8 +22,11 @@ hybrid replica D + r pairing with core DP rank r. The protocol follows `libra.pl
   static DP = D + k job splits it. Old logprobs: the hybrid scores its rows, its core rank adds
   them to its own before the DP reduction and sends the reduced table back. Gradients: the hybrid
   sends its share's gradients (already divided by the global token count, as every DP rank's
-  are); its core rank adds them to its own before the DP all-reduce; the reduced gradients go
-  back; both sides clip and step identical AdamW optimizers. Losses equal a static DP run.
+  are); its core rank adds them into its DDP grad buffers before the DP reduction, the core steps
+  its optimizer, and the stepped weights go back. Losses equal a static DP run.
+  A hybrid replica holds no optimizer (no fp32 main copy, no Adam moments): it fits on rollout
+  devices, and the core's optimizer state, sharded over the core's DP ranks by the distributed
+  optimizer, is never touched when a replica joins, fails or leaves.
 - Failure: a lost connection, a timeout or a dropped payload while a core rank waits for its
   hybrid's rows or gradients rolls the replica back, and that core rank computes the hybrid's
   share itself for the rest of the step (the fill-in rule: the share returns to the core, the step
@@ -45,7 +47,6 @@ stage by stage, and a fill-in would need the core replica's whole pipeline; not 
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -96,7 +97,6 @@ def export_state(engine) -> dict:
     """Everything a replica needs to continue in lockstep; copies, so the core may step on."""
     state = {
         "params": {name: p.detach().clone() for name, p in engine.model.named_parameters()},
-        "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
         "gate": engine.gate.state_dict(),
     }
     if engine.ref_model is not None:
@@ -114,25 +114,22 @@ def load_state(engine, state: dict) -> None:
         if engine.ref_model is not None:
             for name, p in engine.ref_model.named_parameters():
                 p.copy_(state["reference"][name])
-    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.weights_changed()
     engine.gate.load_state_dict(state["gate"], release_in_flight=False)
 
 
-def _grads(engine) -> list[torch.Tensor]:
-    """Every trainable parameter's gradient (the engine allocates them before each mini-batch,
-    also on a replica in ZERO_SYNC, which never runs backward)."""
-    return [p.grad for p in engine.model.parameters() if p.requires_grad]
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def _flat_grads(engine) -> torch.Tensor:
-    return torch.cat([g.reshape(-1) for g in _grads(engine)])
-
-
-def _split_flat(engine, flat: torch.Tensor) -> list[torch.Tensor]:
-    grads = _grads(engine)
-    if flat.numel() != sum(g.numel() for g in grads):
-        raise ValueError(f"gradient payload of {flat.numel()} values for {sum(g.numel() for g in grads)}")
-    return [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+def _copy_flat(flat: torch.Tensor, into: Sequence[torch.Tensor], add: bool = False) -> None:
+    """Copies (or adds) a `_flat` payload into tensors shaped as the sender's were."""
+    if flat.numel() != sum(t.numel() for t in into):
+        raise ValueError(f"payload of {flat.numel()} values for {sum(t.numel() for t in into)}")
+    with torch.no_grad():
+        for target, part in zip(into, flat.split([t.numel() for t in into]), strict=True):
+            part = part.view_as(target).to(target.dtype)
+            target.add_(part) if add else target.copy_(part)
 
 
 # -- the core side -----------------------------------------------------------------------------
@@ -419,22 +416,26 @@ class CoreLane:
             self._channel.send("logprobs_sum", {}, tensor_to_bytes(out))
         return out
 
-    def reduce_gradients(self, engine, stats: torch.Tensor, fill_in) -> torch.Tensor:
+    def step(self, engine, stats: torch.Tensor, fill_in) -> tuple[torch.Tensor, float]:
         if self._hybrid_share is not None:
             theirs = self._receive("grads")
             if theirs is None:
                 stats = stats + fill_in(self._hybrid_share)
             else:
                 # Added before the DP reduction, in the order a two-rank sum would add them.
-                for grad, part in zip(_grads(engine), _split_flat(engine, theirs), strict=True):
-                    grad.add_(part)
+                _copy_flat(theirs, engine.main_grads(), add=True)
                 stats = stats + torch.tensor(self._last_meta["stats"], dtype=torch.float64)
-        stats = engine._reduce_grads_and_stats(stats)
+        stats, grad_norm = engine.reduce_and_step(stats)
         if self._channel is not None:  # streaming since the snapshot (FETCHING_STATE on)
-            meta = {"stats": stats.tolist(), "step": self._step, "minibatch": self._minibatch}
-            self._channel.send("reduced", meta, tensor_to_bytes(_flat_grads(engine)))
+            meta = {
+                "stats": stats.tolist(),
+                "grad_norm": grad_norm,
+                "step": self._step,
+                "minibatch": self._minibatch,
+            }
+            self._channel.send("stepped", meta, tensor_to_bytes(_flat(engine.trainable_parameters())))
         self._minibatch += 1
-        return stats
+        return stats, grad_norm
 
     def _receive(self, kind: str) -> torch.Tensor | None:
         """The hybrid's payload of `kind` for this step and mini-batch, or None when the replica
@@ -512,18 +513,14 @@ class HybridFollower:
     def logprobs_reduced(self, out: torch.Tensor) -> torch.Tensor:
         return tensor_from_bytes(self._expect("logprobs_sum").body).view_as(out)
 
-    def reduce_gradients(self, engine, stats: torch.Tensor, fill_in) -> torch.Tensor:
+    def step(self, engine, stats: torch.Tensor, fill_in) -> tuple[torch.Tensor, float]:
         if self.computes():
             meta = self._header(minibatch=self._minibatch, stats=stats.tolist())
-            self.channel.send("grads", meta, tensor_to_bytes(_flat_grads(engine)))
-        reduced = self._expect("reduced")
-        with torch.no_grad():
-            for grad, part in zip(
-                _grads(engine), _split_flat(engine, tensor_from_bytes(reduced.body)), strict=True
-            ):
-                grad.copy_(part)
+            self.channel.send("grads", meta, tensor_to_bytes(_flat(engine.main_grads())))
+        stepped = self._expect("stepped")
+        _copy_flat(tensor_from_bytes(stepped.body), engine.trainable_parameters())
         self._minibatch += 1
-        return torch.tensor(reduced.meta["stats"], dtype=torch.float64)
+        return torch.tensor(stepped.meta["stats"], dtype=torch.float64), float(stepped.meta["grad_norm"])
 
     def _expect(self, kind: str):
         frame = self.channel.recv(timeout_s=self.timeout_s)

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=cfg.seed,
     )
     arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(args.hf_model))
-    engine = TrainEngine(arch, cfg, info, device=backend.torch_device(rank))
+    # No optimizer: the replica takes its weights from its core rank (`libra.training.hybrid`).
+    engine = TrainEngine(arch, cfg, info, device=backend.torch_device(rank), with_optimizer=False)
     engine.load_hf(hf_tensor_reader(args.hf_model))
     if args.ready_file and rank == 0:
         _write_atomically(args.ready_file, ",".join(args.lane))

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from libra.training.config import RECOMPUTE_MODES
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 VOCAB_DIVISIBLE_BY = 128
 """Megatron's `make_vocab_size_divisible_by` default: the padded vocab is a multiple of this x TP."""
@@ -130,12 +132,28 @@ def transformer_engine_usable(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
 
 
+def _recompute_fields(recompute: str) -> dict[str, Any]:
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"training.recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
 def build_transformer_config(
-    arch: ModelArchitecture, tensor_parallel: int, pipeline_parallel: int, dtype: torch.dtype = torch.float32
+    arch: ModelArchitecture,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    recompute: str = "none",
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_parallelism(arch, tensor_parallel, pipeline_parallel)
+    device = device or torch.device("cpu")
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -169,6 +187,15 @@ def build_transformer_config(
         persist_layer_norm=False,
         # Megatron's default softmax runs in the params dtype; fp32 keeps bf16 logprobs stable.
         attention_softmax_in_fp32=True,
+        # The GRPO loss is already normalised over the whole mini-batch (`libra.training.grpo`):
+        # the schedules must neither divide it by the micro-batch count nor DDP average over DP.
+        calculate_per_token_loss=True,
+        # Micro-batches are padded to their own longest row: pipeline stages exchange shapes.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        # Batched p2p needs a device stream to synchronise; gloo sends one by one.
+        batch_p2p_comm=device.type != "cpu",
+        **_recompute_fields(recompute),
     )
 
 
@@ -180,6 +207,7 @@ def build_gpt_model(
     post_process: bool,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
+    recompute: str = "none",
 ):
     """One pipeline stage of the model on this rank. Needs `parallel.initialize` first."""
     from megatron.core.models.gpt import GPTModel
@@ -189,7 +217,7 @@ def build_gpt_model(
     )
 
     device = device or torch.device("cpu")
-    config = build_transformer_config(arch, tensor_parallel, pipeline_parallel, dtype)
+    config = build_transformer_config(arch, tensor_parallel, pipeline_parallel, dtype, device, recompute)
     if transformer_engine_usable(device):
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:

@@ -75,6 +75,8 @@ def test_patches_reach_megatron_modules_imported_before_prepare_worker(
 
     assert result["tracker"] == "CpuRNGStatesTracker"
     assert result["mask_device"] == "cpu"
+    assert result["optimizer_tensor_device"] == result["schedules_tensor_device"] == "cpu"
+    assert result["clipping_patched"]
     # The model-parallel state is seeded apart from the default one, and forking it twice draws
     # fresh numbers (its state advances) while leaving the default generator alone.
     assert result["fork_a"] != result["fork_b"]
@@ -150,6 +152,8 @@ def _child_train(rendezvous: str) -> dict:
 def _child_imported_first(rendezvous: str) -> dict:
     import torch
     from megatron.core.fusions import fused_softmax
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mp_random
 
     from libra.backends import get_backend
@@ -170,6 +174,12 @@ def _child_imported_first(rendezvous: str) -> dict:
     return {
         "tracker": type(tracker).__name__,
         "mask_device": fused_softmax.get_default_causal_mask(4).device.type,
+        # Patch 3's literal device="cuda" tensors of the optimizer and the schedules.
+        "optimizer_tensor_device": megatron_optimizer.torch.tensor([1.0], device="cuda").device.type,
+        "schedules_tensor_device": schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type,
+        "clipping_patched": getattr(
+            megatron_optimizer.clip_grad_by_total_norm_fp32, "_libra_cpu_patch", False
+        ),
         "fork_a": fork_a,
         "fork_b": fork_b,
         "default_without_forks": default_without_forks,

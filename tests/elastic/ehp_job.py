@@ -51,7 +51,7 @@ def training_config(data_parallel: int, tensor_parallel: int = 1):
     )
 
 
-def build_engine(spec: dict, rank: int, world_size: int, port: int, tp: int = 1):
+def build_engine(spec: dict, rank: int, world_size: int, port: int, tp: int = 1, with_optimizer: bool = True):
     from libra.backends import get_backend
 
     get_backend("cpu").prepare_worker()
@@ -64,7 +64,7 @@ def build_engine(spec: dict, rank: int, world_size: int, port: int, tp: int = 1)
 
     info = initialize(tp, 1, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
-    engine = TrainEngine(arch, training_config(world_size // tp, tp), info)
+    engine = TrainEngine(arch, training_config(world_size // tp, tp), info, with_optimizer=with_optimizer)
     engine.load_hf(hf_tensor_reader(spec["model"]))
     return engine
 
@@ -223,7 +223,7 @@ def run_hybrid(spec: dict) -> None:
     from tests.training.tiny_models import make_batch
 
     tp = spec.get("hybrid_tp", 1)
-    engine = build_engine(spec, spec.get("hybrid_rank", 0), tp, spec["port"], tp)
+    engine = build_engine(spec, spec.get("hybrid_rank", 0), tp, spec["port"], tp, with_optimizer=False)
     kill_after = spec.get("kill_after")
     if kill_after:
         active_grads = {"n": 0}

@@ -132,6 +132,8 @@ def test_the_gpu_configs_are_real_cluster_configs():
         config, job = load_job_config(path)
         assert config.backend.name == "cuda" and not job.spawn_agent
         assert config.training.dtype == "bfloat16" and config.rollout.instance.dtype == "bfloat16"
+        # Megatron's production path: fp32 main parameters and Adam state sharded over DP.
+        assert config.training.use_distributed_optimizer and config.training.overlap_grad_reduce
         assert config.tasks.dataset_path and job.model
         # Heterogeneous TP buckets: the point of C-MLFQ.
         assert len(set(job.tp_sizes)) >= 2 and len(job.scheduler.buckets) >= 2

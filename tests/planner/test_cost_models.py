@@ -162,7 +162,7 @@ def test_pipeline_term_matches_1f1b_schedule(stages, micro_batches):
 
 
 def test_training_memory_shrinks_with_parallelism_and_sharding():
-    batch = TrainingBatch(global_batch=128, group_size=4, activation_recompute=True)
+    batch = TrainingBatch(global_batch=128, group_size=4, recompute="full")
     cost = TrainingCostModel(CLUSTER, QWEN3_14B, batch, PlannerConfig(), UNIT)
     seqs = SequenceStats(8000.0, 8000.0**2, 16000)
     small = cost.memory_bytes(TrainingConfig(8, 2, 8, 1), seqs)
@@ -230,7 +230,7 @@ def test_latency_floor_favours_small_tp_on_light_batches_only():
 
 
 def test_training_step_pays_tp_latency_per_layer_pass():
-    batch = TrainingBatch(global_batch=64, group_size=4, activation_recompute=True)
+    batch = TrainingBatch(global_batch=64, group_size=4, recompute="full")
     seqs = SequenceStats(4000.0, 4000.0**2, 8000)
     cfg = TrainingConfig(tp=4, pp=2, dp=2, micro_batch=1)
     with_floor = TrainingCostModel(CLUSTER, QWEN3_14B, batch, PlannerConfig(), EfficiencyFactors())

@@ -100,7 +100,7 @@ def test_uneven_step_is_priced_on_the_largest_share():
     seqs = SequenceStats.of(problem.history)
 
     def cost(num_groups: int) -> TrainingCostModel:
-        batch = TrainingBatch(global_batch=4 * num_groups, group_size=4, activation_recompute=True)
+        batch = TrainingBatch(global_batch=4 * num_groups, group_size=4, recompute="full")
         return TrainingCostModel(problem.cluster, problem.model, batch, problem.config, DEFAULT_TRAIN_FACTORS)
 
     for mb in (1, 2, 4):

@@ -63,6 +63,7 @@ def main(spec: dict) -> None:
     hf_model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
     arch = ModelArchitecture.from_hf_config(hf_model.config)
     cfg = TrainingConfig(
+        dtype=spec.get("dtype", "float32"),
         lr=spec["lr"],
         max_staleness=1,
         train_batch_size=spec["num_prompts"] * spec["group_size"],

@@ -56,7 +56,10 @@ def main(spec: dict) -> None:
             lr=1e-3,
             adam_eps=1e-6,
             num_minibatches=2,
-            max_tokens_per_microbatch=96,
+            max_tokens_per_microbatch=spec.get("max_tokens_per_microbatch", 96),
+            use_distributed_optimizer=spec.get("use_distributed_optimizer", True),
+            overlap_grad_reduce=spec.get("overlap_grad_reduce", False),
+            recompute=spec.get("recompute", "none"),
             max_staleness=1,
             train_batch_size=12,
             grpo=GrpoConfig(
@@ -84,6 +87,8 @@ def main(spec: dict) -> None:
             out["losses"].append(result.loss)
             out["steps"].append(result.__dict__)
         out["logprobs_end"] = engine.compute_logprobs(make_batch(seed=7))
+        out["optimizer_bytes"] = engine.optimizer_state_bytes()
+        out["num_params"] = sum(p.numel() for p in engine.model.parameters())
         out["export"] = engine.export_hf() if spec.get("export") else None
         results[model_dir] = out
     if info.rank == 0:

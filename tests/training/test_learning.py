@@ -1,5 +1,6 @@
 """GRPO learns: a tiny Llama policy on a verifiable parity task (see learn_job.py) raises its mean
-reward clearly within a fixed number of steps. Fixed seeds; the margin is on reward, not time."""
+reward clearly within a fixed number of steps, in fp32 and in bf16 (fp32 main parameters in
+Megatron's optimizer). Fixed seeds; the margin is on reward, not time."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = [
 ]
 
 
-def test_grpo_raises_mean_reward(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grpo_raises_mean_reward(tmp_path, dtype):
     model = make_hf_model("llama", tmp_path / "policy", tie=False, seed=3, vocab=16)
     spec = {
         "model": str(model),
@@ -28,6 +30,7 @@ def test_grpo_raises_mean_reward(tmp_path):
         "num_prompts": 16,
         "group_size": 8,
         "seed": 0,
+        "dtype": dtype,
         "port": free_port(),
     }
     rewards = run_job(spec, tmp_path / "job", script="learn_job.py")["rewards"]

@@ -1,7 +1,11 @@
-"""Multi-process Megatron jobs on the CPU (gloo, one thread per rank): TP=2, PP=2 and DP=2 give
-the TP=1 logprobs and losses; HF -> Megatron import and Megatron -> HF export match transformers
-for Llama, Qwen2 and Qwen3; a TP=2 checkpoint resumes at TP=1 on the same loss curve with the
-staleness counters restored.
+"""Multi-process Megatron jobs on the CPU (gloo, one thread per rank), all through Megatron's DDP,
+optimizer and schedules: TP=2, PP=2 (1F1B over >= 4 micro-batches, full recompute, the
+non-distributed optimizer), DP=2 (distributed optimizer, reduction overlapped with backward) and
+TP=2 x DP=2 (distributed optimizer, selective recompute) give the TP=1 logprobs and losses;
+HF -> Megatron import and Megatron -> HF export match transformers for Llama, Qwen2 and Qwen3;
+checkpoints with the distributed optimizer's sharded state resume at another layout on the same
+loss curve (TP=2 -> TP=1, TP=2 x DP=2 -> TP=1 and TP=1 -> TP=2 x DP=2), staleness counters
+restored; the distributed optimizer halves the optimizer state per rank at DP=2.
 
 The main model is a Qwen3 with tied embeddings (QK-norm, GQA 4q/2kv, head_dim 16, vocab 300
 padded to 384 at TP=1 and 512 at TP=2). Every job trains 5 GRPO steps (2 mini-batches each,
@@ -17,7 +21,7 @@ import math
 import pytest
 import torch
 
-from tests.training.jobs import run_job, start_job, wait_job
+from tests.training.jobs import start_job, wait_job
 from tests.training.tiny_models import make_batch, make_hf_model
 
 NUM_CPUS = 2
@@ -25,6 +29,7 @@ STEPS = 5
 SAVE_AT = 2
 TOL = 1e-5
 TEMPERATURE = 0.7
+LAYOUTS = ("tp2", "pp2", "dp2", "tp2dp2")
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -42,40 +47,78 @@ def models(tmp_path_factory):
     }
 
 
+PP2_MAX_TOKENS = 40
+"""The PP=2 job's micro-batch budget: small enough for at least 4 micro-batches per mini-batch."""
+
+
 @pytest.fixture(scope="module")
 def jobs(models, tmp_path_factory):
-    """tp1, tp2 (all three families, saves a checkpoint), pp2 and dp2 run at once; then the TP=2
-    checkpoint resumes at TP=1."""
+    """tp1, tp2 (all three families), pp2, dp2 and tp2dp2 run at once, tp1, tp2 and tp2dp2 saving
+    a checkpoint; then the checkpoints resume at another layout."""
     root = tmp_path_factory.mktemp("jobs")
-    ckpt = str(root / "ckpt_tp2")
+    ckpt = {name: str(root / f"ckpt_{name}") for name in ("tp1", "tp2", "tp2dp2")}
     common = {"steps": STEPS, "export": True, "temperature": TEMPERATURE}
     specs = {
-        "tp1": {**common, "tp": 1, "pp": 1, "dp": 1, "models": [models["qwen3"]]},
+        "tp1": {
+            **common,
+            "tp": 1,
+            "pp": 1,
+            "dp": 1,
+            "save_at": SAVE_AT,
+            "save_dir": ckpt["tp1"],
+            "models": [models["qwen3"]],
+        },
         "tp2": {
             **common,
             "tp": 2,
             "pp": 1,
             "dp": 1,
             "save_at": SAVE_AT,
-            "save_dir": ckpt,
+            "save_dir": ckpt["tp2"],
             "models": [models["qwen3"], models["llama"], models["qwen2"]],
         },
-        "pp2": {**common, "tp": 1, "pp": 2, "dp": 1, "models": [models["qwen3"]]},
-        "dp2": {**common, "tp": 1, "pp": 1, "dp": 2, "models": [models["qwen3"]]},
+        "pp2": {
+            **common,
+            "tp": 1,
+            "pp": 2,
+            "dp": 1,
+            "max_tokens_per_microbatch": PP2_MAX_TOKENS,
+            "recompute": "full",
+            "use_distributed_optimizer": False,
+            "models": [models["qwen3"]],
+        },
+        "dp2": {
+            **common,
+            "tp": 1,
+            "pp": 1,
+            "dp": 2,
+            "overlap_grad_reduce": True,
+            "models": [models["qwen3"]],
+        },
+        "tp2dp2": {
+            **common,
+            "tp": 2,
+            "pp": 1,
+            "dp": 2,
+            "recompute": "selective",
+            "save_at": SAVE_AT,
+            "save_dir": ckpt["tp2dp2"],
+            "models": [models["qwen3"]],
+        },
     }
+    results = _run_all(specs, root)
+    resume = {**common, "models": [models["qwen3"]], "export": False}
+    resumes = {
+        "resume_tp1": {**resume, "tp": 1, "pp": 1, "dp": 1, "resume": ckpt["tp2"]},
+        "resume_tp1_from_tp2dp2": {**resume, "tp": 1, "pp": 1, "dp": 1, "resume": ckpt["tp2dp2"]},
+        "resume_tp2dp2_from_tp1": {**resume, "tp": 2, "pp": 1, "dp": 2, "resume": ckpt["tp1"]},
+    }
+    return {**results, **_run_all(resumes, root)}
+
+
+def _run_all(specs: dict, root) -> dict:
     started = {name: (start_job(spec, root / name), root / name) for name, spec in specs.items()}
-    results = {name: wait_job(procs, out) for name, (procs, out) in started.items()}
-    resume = {
-        **common,
-        "tp": 1,
-        "pp": 1,
-        "dp": 1,
-        "resume": ckpt,
-        "models": [models["qwen3"]],
-        "export": False,
-    }
-    results["resume_tp1"] = run_job(resume, root / "resume_tp1")
-    return results
+    return {name: wait_job(procs, out) for name, (procs, out) in started.items()}
 
 
 def hf_logprobs(
@@ -110,7 +153,7 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 def test_tp2_pp2_dp2_logprobs_equal_tp1(jobs, models):
     ref = jobs["tp1"][models["qwen3"]]
-    for name in ("tp2", "pp2", "dp2"):
+    for name in LAYOUTS:
         got = jobs[name][models["qwen3"]]
         assert max_diff(got["logprobs_start"], ref["logprobs_start"]) <= TOL, name
         assert max_diff(got["logprobs_end"], ref["logprobs_end"]) <= TOL, name
@@ -122,7 +165,7 @@ def test_tp2_pp2_dp2_losses_equal_tp1(jobs, models):
     # The run really trains: the policy moves (logprobs change) and the losses are not all equal.
     assert max_diff(ref["logprobs_start"], ref["logprobs_end"]) > 1e-2
     assert len({round(x, 6) for x in ref["losses"]}) == STEPS
-    for name in ("tp2", "pp2", "dp2"):
+    for name in LAYOUTS:
         got = jobs[name][models["qwen3"]]
         for a, b in zip(got["losses"], ref["losses"], strict=True):
             assert abs(a - b) <= TOL, (name, got["losses"], ref["losses"])
@@ -153,19 +196,46 @@ def test_export_after_training_equals_transformers(jobs, models, family):
 
 def test_exports_agree_across_parallelism(jobs, models):
     ref = jobs["tp1"][models["qwen3"]]["export"]
-    for name in ("tp2", "pp2", "dp2"):
+    for name in LAYOUTS:
         got = jobs[name][models["qwen3"]]["export"]
         assert set(got) == set(ref)
         for key in ref:
             assert torch.allclose(got[key], ref[key], atol=TOL, rtol=0), (name, key)
 
 
-def test_tp2_checkpoint_resumes_at_tp1_on_the_same_curve(jobs, models):
-    saved = jobs["tp2"][models["qwen3"]]
-    resumed = jobs["resume_tp1"][models["qwen3"]]
+@pytest.mark.parametrize(
+    "saved_at, resumed_at",
+    [("tp2", "resume_tp1"), ("tp2dp2", "resume_tp1_from_tp2dp2"), ("tp1", "resume_tp2dp2_from_tp1")],
+)
+def test_checkpoint_resumes_at_another_layout_on_the_same_curve(jobs, models, saved_at, resumed_at):
+    saved = jobs[saved_at][models["qwen3"]]
+    resumed = jobs[resumed_at][models["qwen3"]]
     for a, b in zip(resumed["losses"], saved["losses"][SAVE_AT:], strict=True):
         assert abs(a - b) <= TOL, (resumed["losses"], saved["losses"])
     assert max_diff(resumed["logprobs_end"], saved["logprobs_end"]) <= TOL
+
+
+def test_pp2_runs_at_least_four_micro_batches_per_mini_batch():
+    from libra.training.batching import make_micro_batches
+    from tests.training.rank_job import batch_for_step
+
+    batch = batch_for_step(0)
+    first_minibatch = range(len(batch) // 2)  # train steps split the batch into 2 mini-batches
+    lengths = {i: len(batch[i].token_ids) for i in first_minibatch}
+    assert len(make_micro_batches(list(first_minibatch), lengths, PP2_MAX_TOKENS)) >= 4
+
+
+def test_distributed_optimizer_halves_optimizer_state_at_dp2(jobs, models):
+    """Measured per rank (fp32: Adam's m and v; the model is its own main copy), and as the
+    planner's memory model prices it."""
+    from libra.planner.training_cost import optimizer_state_bytes
+
+    one = jobs["tp1"][models["qwen3"]]["optimizer_bytes"]
+    half = jobs["dp2"][models["qwen3"]]["optimizer_bytes"]
+    print(f"optimizer state per rank: DP=1 {one} B, DP=2 (distributed) {half} B, ratio {half / one:.3f}")
+    assert 0.45 <= half / one <= 0.56
+    predicted = optimizer_state_bytes(jobs["dp2"][models["qwen3"]]["num_params"], 4, dp=2, distributed=True)
+    assert abs(half - predicted) <= 0.05 * predicted, (half, predicted)
 
 
 def test_checkpoint_restores_staleness_state(jobs, models):
