@@ -62,6 +62,15 @@ def worker_spec_from_proto(msg: common_pb2.WorkerSpec, field: str = "spec") -> W
     bad_env = [name for name in msg.env if not _ENV_NAME.match(name)]
     if bad_env:
         raise InvalidArgument(f"{field}.env has invalid variable names: {bad_env}")
+    # The kernel takes argv, the environment and paths as C strings: a NUL cannot reach a process.
+    for index, arg in enumerate(msg.argv):
+        if "\0" in arg:
+            raise InvalidArgument(f"{field}.argv[{index}] contains a NUL byte")
+    for name, value in msg.env.items():
+        if "\0" in value:
+            raise InvalidArgument(f"{field}.env[{name!r}] contains a NUL byte")
+    if "\0" in msg.cwd:
+        raise InvalidArgument(f"{field}.cwd contains a NUL byte")
     return WorkerSpec(
         worker_id=msg.worker_id,
         role=WorkerRole(msg.role),

@@ -77,7 +77,7 @@ class WorkerSupervisor:
             ).start()
             try:
                 process = spawned.result()
-            except OSError as e:
+            except (OSError, ValueError) as e:
                 raise InvalidArgument(f"spec.argv cannot be started: {e}") from None
             status = WorkerStatus(
                 spec=spec,
@@ -112,7 +112,7 @@ class WorkerSupervisor:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-        except OSError as e:
+        except Exception as e:  # whatever it is, start() waits for it while holding the lock
             spawned.set_exception(e)
             return
         spawned.set_result(process)

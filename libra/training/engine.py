@@ -228,15 +228,16 @@ class TrainEngine:
         dist.all_reduce(out, group=self._pp_group)
         if peer is not None:
             out = peer.logprobs_reduced(out)
-        return out
+        return out.cpu()
 
     @torch.no_grad()
     def _forward_share(
         self, trajectories: Sequence[Trajectory], model, share: tuple[int, int]
     ) -> torch.Tensor:
-        """The logprobs of one DP share's rows (zeros elsewhere), on the last stage."""
+        """The logprobs of one DP share's rows (zeros elsewhere), on the last stage; on the device,
+        where the collectives that gather them run."""
         width = max(len(t.response_token_ids) for t in trajectories)
-        out = torch.zeros(len(trajectories), width, dtype=torch.float32)
+        out = torch.zeros(len(trajectories), width, dtype=torch.float32, device=self.device)
 
         def score(rows: _Rows, logits: torch.Tensor) -> torch.Tensor:
             logp, _ = self._logprobs(logits, rows.targets, with_entropy=False)
@@ -309,7 +310,11 @@ class TrainEngine:
 
         if self.peer is None:
             return self.reduce_and_step(backward(self._share()))
-        stats = backward(self._share()) if self.peer.computes() else torch.zeros(6, dtype=torch.float64)
+        stats = (
+            backward(self._share())
+            if self.peer.computes()
+            else torch.zeros(6, dtype=torch.float64, device=self.device)
+        )
         # The peer adds the hybrid replica's gradients before the DP reduction and sends the
         # stepped weights back (or, on the hybrid side, sends its gradients and takes the
         # weights); `backward(share)` computes a share here when the replica that owned it failed.
@@ -332,7 +337,7 @@ class TrainEngine:
             raise RuntimeError("the optimizer skipped its step: non-finite gradients")
         if self.cfg.grad_clip <= 0:  # Megatron computes the norm only to clip
             grad_norm = self.optimizer.get_grad_norm()
-        return stats, float(grad_norm)
+        return stats.cpu(), float(grad_norm)
 
     def _start_pending_grad_sync(self) -> None:
         """With overlap, backward's last micro-batch starts each bucket's DP reduction; a rank that
@@ -344,8 +349,9 @@ class TrainEngine:
 
     def _backward_share(self, batch, indices, advantages, old, ref, num_tokens, share) -> torch.Tensor:
         """Forward/backward of one DP share of the mini-batch `indices`, accumulating into the
-        grad buffers; returns that share's [loss, pg, kl, entropy, clipped, tokens] sums."""
-        stats = torch.zeros(6, dtype=torch.float64)
+        grad buffers; returns that share's [loss, pg, kl, entropy, clipped, tokens] sums (on the
+        device: no host synchronisation per micro-batch)."""
+        stats = torch.zeros(6, dtype=torch.float64, device=self.device)
         rows = []
         for mb in self._my_micro_batches(batch, indices, share):
             extra = {
@@ -378,19 +384,8 @@ class TrainEngine:
                 entropy=entropy,
                 scale=rows.values["scale"],
             )
-            stats.add_(
-                torch.tensor(
-                    [
-                        terms.loss_sum.item(),
-                        terms.pg_sum.item(),
-                        terms.kl_sum.item(),
-                        terms.entropy_sum.item(),
-                        terms.clipped_tokens.item(),
-                        rows.mask.sum().item(),
-                    ],
-                    dtype=torch.float64,
-                )
-            )
+            sums = (terms.loss_sum, terms.pg_sum, terms.kl_sum, terms.entropy_sum, terms.clipped_tokens)
+            stats.add_(torch.stack([*(x.detach().double() for x in sums), rows.mask.sum().double()]))
             # Scales are of the global mini-batch: micro-batches and DP ranks sum to its loss.
             return terms.objective
 

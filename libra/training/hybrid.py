@@ -128,7 +128,7 @@ def _copy_flat(flat: torch.Tensor, into: Sequence[torch.Tensor], add: bool = Fal
         raise ValueError(f"payload of {flat.numel()} values for {sum(t.numel() for t in into)}")
     with torch.no_grad():
         for target, part in zip(into, flat.split([t.numel() for t in into]), strict=True):
-            part = part.view_as(target).to(target.dtype)
+            part = part.view_as(target).to(target.device, target.dtype)
             target.add_(part) if add else target.copy_(part)
 
 
@@ -409,7 +409,7 @@ class CoreLane:
         if self._hybrid_share is None:
             return out
         theirs = self._receive("logprobs")
-        return out + (fill_in(self._hybrid_share) if theirs is None else theirs.view_as(out))
+        return out + (fill_in(self._hybrid_share) if theirs is None else theirs.view_as(out).to(out.device))
 
     def logprobs_reduced(self, out: torch.Tensor) -> torch.Tensor:
         if self._hybrid_share is not None and self._channel is not None:
@@ -424,7 +424,9 @@ class CoreLane:
             else:
                 # Added before the DP reduction, in the order a two-rank sum would add them.
                 _copy_flat(theirs, engine.main_grads(), add=True)
-                stats = stats + torch.tensor(self._last_meta["stats"], dtype=torch.float64)
+                stats = stats + torch.tensor(
+                    self._last_meta["stats"], dtype=torch.float64, device=stats.device
+                )
         stats, grad_norm = engine.reduce_and_step(stats)
         if self._channel is not None:  # streaming since the snapshot (FETCHING_STATE on)
             meta = {
@@ -511,7 +513,7 @@ class HybridFollower:
         return out
 
     def logprobs_reduced(self, out: torch.Tensor) -> torch.Tensor:
-        return tensor_from_bytes(self._expect("logprobs_sum").body).view_as(out)
+        return tensor_from_bytes(self._expect("logprobs_sum").body).view_as(out).to(out.device)
 
     def step(self, engine, stats: torch.Tensor, fill_in) -> tuple[torch.Tensor, float]:
         if self.computes():

@@ -212,6 +212,8 @@ def test_malformed_requests_name_the_field(controller, client, spawn_agent):
             s.ClearField(name)
             if isinstance(value, list):
                 getattr(s, name).extend(value)
+            elif isinstance(value, dict):
+                getattr(s, name).update(value)
             else:
                 setattr(s, name, value)
         return s
@@ -226,10 +228,20 @@ def test_malformed_requests_name_the_field(controller, client, spawn_agent):
         "spec.devices has duplicates": controller_pb2.StartWorkerRequest(
             agent_id=agent.agent_id, spec=spec(devices=[0, 0])
         ),
+        # A NUL byte once hung the agent for good (the spawn raised past its wait).
+        "spec.argv[1] contains a NUL byte": controller_pb2.StartWorkerRequest(
+            agent_id=agent.agent_id, spec=spec(argv=["true", "a\0b"])
+        ),
+        "spec.env['X'] contains a NUL byte": controller_pb2.StartWorkerRequest(
+            agent_id=agent.agent_id, spec=spec(env={"X": "a\0b"})
+        ),
+        "spec.cwd contains a NUL byte": controller_pb2.StartWorkerRequest(
+            agent_id=agent.agent_id, spec=spec(cwd="/tmp\0x")
+        ),
     }
     for field, request in cases.items():
         with pytest.raises(grpc.RpcError) as err:
-            stub.StartWorker(request)
+            stub.StartWorker(request, timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert field in err.value.details()
 
@@ -239,9 +251,10 @@ def test_malformed_requests_name_the_field(controller, client, spawn_agent):
     with pytest.raises(grpc.RpcError) as err:
         stub.StartWorker(controller_pb2.StartWorkerRequest(agent_id="agent-404", spec=good))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "agent-404" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError) as err:  # reaches the agent: it still serves after the NULs
         stub.StartWorker(
-            controller_pb2.StartWorkerRequest(agent_id=agent.agent_id, spec=spec(argv=["/no/such/binary"]))
+            controller_pb2.StartWorkerRequest(agent_id=agent.agent_id, spec=spec(argv=["/no/such/binary"])),
+            timeout=30,
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.argv" in err.value.details()
 

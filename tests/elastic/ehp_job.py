@@ -35,12 +35,13 @@ def batch_for_step(step: int):
     return batch
 
 
-def training_config(data_parallel: int, tensor_parallel: int = 1):
+def training_config(data_parallel: int, tensor_parallel: int = 1, overlap_grad_reduce: bool = False):
     from libra.training.config import GrpoConfig, TrainingConfig
 
     return TrainingConfig(
         data_parallel=data_parallel,
         tensor_parallel=tensor_parallel,
+        overlap_grad_reduce=overlap_grad_reduce,
         lr=1e-3,
         adam_eps=1e-6,
         num_minibatches=2,
@@ -64,7 +65,8 @@ def build_engine(spec: dict, rank: int, world_size: int, port: int, tp: int = 1,
 
     info = initialize(tp, 1, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
-    engine = TrainEngine(arch, training_config(world_size // tp, tp), info, with_optimizer=with_optimizer)
+    cfg = training_config(world_size // tp, tp, spec.get("overlap_grad_reduce", False))
+    engine = TrainEngine(arch, cfg, info, with_optimizer=with_optimizer)
     engine.load_hf(hf_tensor_reader(spec["model"]))
     return engine
 
