@@ -89,6 +89,7 @@ def handrolled_engine_class():
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("handrolled_engine", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module.TrainEngine
 
