@@ -7,13 +7,13 @@ A hybrid replica is a whole DP replica that moves between rollout and training:
         \\______________\\______________\\____________\\__________\\____________> ROLLED_BACK
 
 - REQUESTED: the planner asked for it; the devices are being handed over from rollout.
-- FETCHING_STATE: the replica's process loads the latest training state (weights, optimizer,
-  step, staleness counters) from the core.
+- FETCHING_STATE: the replica's process loads the latest training state (weights, step,
+  staleness counters) from the core; it holds no optimizer state, which stays with the core.
 - ZERO_SYNC: registered in the gradient domain; it contributes nothing (zero gradients) while
-  the core keeps stepping, and it applies the core's reduced gradients to stay in lockstep.
+  the core keeps stepping, and it takes the core's stepped weights to stay in lockstep.
 - ACTIVATING: waits at a step-boundary barrier.
 - ACTIVE: its gradients on its share of the global batch are added to its paired core replica's
-  before the core's DP all-reduce.
+  before the core's DP reduction; the core steps and sends the weights back.
 - RELEASING -> RELEASED: detached from the gradient domain; the devices go back to rollout.
 - ROLLED_BACK: cancellation, a timeout or the failure of any of its ranks; the devices go back to
   rollout and the core continues as if the replica had never joined.

@@ -25,6 +25,7 @@ position t predict token t+1, so response token j is scored at position P - 1 + 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -332,17 +333,26 @@ class TrainEngine:
         finalize_model_grads([self.ddp_model])
         dist.all_reduce(stats, group=self._dp_group)
         dist.all_reduce(stats, group=self._pp_group)
-        stepped, grad_norm, _ = self.optimizer.step()
-        if not stepped:
-            raise RuntimeError("the optimizer skipped its step: non-finite gradients")
-        if self.cfg.grad_clip <= 0:  # Megatron computes the norm only to clip
+        # bf16 and fp32 have no loss scaler, so Megatron always steps; it computes the norm only
+        # to clip with.
+        _, grad_norm, _ = self.optimizer.step()
+        if self.cfg.grad_clip <= 0:
             grad_norm = self.optimizer.get_grad_norm()
-        return stats.cpu(), float(grad_norm)
+        grad_norm = float(grad_norm)
+        if not math.isfinite(grad_norm):
+            # The norm is reduced over every rank of the layout: all of them stop here.
+            raise RuntimeError(
+                f"non-finite gradient norm {grad_norm} at policy version {self.version}: the weights are "
+                "no longer usable; resume from the last checkpoint (lower training.lr?)"
+            )
+        return stats.cpu(), grad_norm
 
     def _start_pending_grad_sync(self) -> None:
         """With overlap, backward's last micro-batch starts each bucket's DP reduction; a rank that
         ran no backward (an empty share) or deferred it (gradients still to come from a hybrid
         replica) starts the rest here, so that `finish_grad_sync` has something to wait for."""
+        # In bucket order: the order backward completes them in (buckets are laid out in reverse
+        # parameter order), so every rank issues its collectives in the same order.
         for group in self.ddp_model.bucket_groups + self.ddp_model.expert_parallel_bucket_groups:
             if group.grad_reduce_handle is None:
                 group.start_grad_sync()
@@ -389,7 +399,7 @@ class TrainEngine:
             # Scales are of the global mini-batch: micro-batches and DP ranks sum to its loss.
             return terms.objective
 
-        with self._grad_sync_deferred(self.peer is not None):
+        with self._grad_sync_deferred(self.peer is not None and self.peer.defers_reduction()):
             self._run_schedule(self.ddp_model, rows, objective, forward_only=False)
         return stats
 
@@ -533,6 +543,8 @@ class TrainEngine:
             )
         if self.optimizer is not None:
             _load_optimizer_state(self.optimizer, loaded["optimizer"])
+            # The checkpoint's param groups came with it: the configured rate and decay hold.
+            _set_rate_and_decay(self.optimizer, self.cfg)
         self.gate.load_state_dict(loaded["libra"]["staleness"], release_in_flight=release_in_flight)
 
     def _sharded_state_dict(self, loading: bool) -> dict:
@@ -559,15 +571,14 @@ class TrainEngine:
     def _init_optimizer_state(self) -> None:
         """Adam creates its state at the first step; a checkpoint needs it to exist, both to save
         before one and to load into a fresh optimizer."""
-        if self.optimizer is None:
-            return
         for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = optimizer.optimizer
             params = [p for group in inner.param_groups for p in group["params"]]
             if any(len(inner.state[p]) == 0 for p in params):
                 optimizer.init_state_fn(inner, optimizer.config)
-                for p in params:  # torch's Adam counts steps per parameter; none taken yet
-                    inner.state[p].setdefault("step", torch.tensor(0.0))
+                if isinstance(inner, torch.optim.Adam):  # AdamW too
+                    for p in params:  # torch's Adam counts steps per parameter (TE's, per group)
+                        inner.state[p].setdefault("step", torch.tensor(0.0))
 
     def _inner_optimizers(self) -> list:
         """The torch optimizers inside Megatron's: they step the fp32 main parameters."""
@@ -617,6 +628,10 @@ class GradientPeer(Protocol):
 
     def logprobs_reduced(self, out: torch.Tensor) -> torch.Tensor:
         """The full table once the core has reduced it (a hybrid replica receives it here)."""
+
+    def defers_reduction(self) -> bool:
+        """Whether this step's gradients meet another replica's before the DP reduction (which
+        then must not start during backward)."""
 
     def step(
         self, engine: TrainEngine, stats: torch.Tensor, fill_in: Callable[[tuple[int, int]], torch.Tensor]
@@ -672,12 +687,16 @@ def _build_optimizer(ddp_model, cfg: TrainingConfig):
         ),
         [ddp_model],
     )
-    # The learning rate is constant: each group's rate and decay are set once here (Megatron's
-    # groups carry multipliers, e.g. no decay on norms, that its LR scheduler would apply).
+    _set_rate_and_decay(optimizer, cfg)
+    return optimizer
+
+
+def _set_rate_and_decay(optimizer, cfg: TrainingConfig) -> None:
+    """The learning rate is constant: each group's rate and decay are set here (Megatron's groups
+    carry multipliers, e.g. no decay on norms, that its LR scheduler would apply)."""
     for group in optimizer.param_groups:
         group["lr"] = cfg.lr * group.get("lr_mult", 1.0)
         group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
-    return optimizer
 
 
 def _load_optimizer_state(optimizer, state: dict) -> None:
@@ -688,12 +707,18 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
     - it gives every parameter Adam's `step` from the param groups, then copies every state key
       from the loaded tensors, which carry none (KeyError): the copy runs with `step` set aside;
     - that `step` is one tensor shared by all parameters, which torch's Adam increments once per
-      parameter per step (wrong bias correction from the first step on): each gets its own."""
+      parameter per step (wrong bias correction from the first step on): each gets its own.
+    The non-distributed optimizers drop a zero step when saving, which torch's Adam cannot load."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     for part in chained:
         part.optimizer.state.clear()
+        if not isinstance(part, DistributedOptimizer) and isinstance(part.optimizer, torch.optim.Adam):
+            # The non-distributed optimizers save torch Adam's step only once it is nonzero; the
+            # states they load need one (a checkpoint taken before the first step).
+            inner_state = state.get("optimizer", state)["state"]  # FP32Optimizer does not nest it
+            inner_state.setdefault("common_step", torch.tensor(0.0))
     originals = {}
     for part in chained:
         if not isinstance(part, DistributedOptimizer):

@@ -41,7 +41,7 @@ class Frame:
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().contiguous().view(-1).float().cpu().numpy().tobytes()
+    return tensor.detach().cpu().contiguous().view(-1).float().numpy().tobytes()
 
 
 def tensor_from_bytes(data: bytes) -> torch.Tensor:

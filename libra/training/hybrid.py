@@ -119,16 +119,19 @@ def load_state(engine, state: dict) -> None:
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+    """One host tensor of them all (gathered tensor by tensor: no second copy on the device)."""
+    return torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
 
 
 def _copy_flat(flat: torch.Tensor, into: Sequence[torch.Tensor], add: bool = False) -> None:
     """Copies (or adds) a `_flat` payload into tensors shaped as the sender's were."""
     if flat.numel() != sum(t.numel() for t in into):
         raise ValueError(f"payload of {flat.numel()} values for {sum(t.numel() for t in into)}")
+    if into:
+        flat = flat.to(into[0].device)  # one transfer, not one per tensor
     with torch.no_grad():
         for target, part in zip(into, flat.split([t.numel() for t in into]), strict=True):
-            part = part.view_as(target).to(target.device, target.dtype)
+            part = part.view_as(target).to(target.dtype)
             target.add_(part) if add else target.copy_(part)
 
 
@@ -251,7 +254,7 @@ class CoreLane:
         rank, size = self.engine.info.dp_rank, self.engine.info.dp_size
         actives = [int(active)]
         if size > 1:
-            flags = torch.zeros(size, dtype=torch.int64)
+            flags = torch.zeros(size, dtype=torch.int64, device=self.engine.device)
             flags[rank] = int(active)
             dist.all_reduce(flags, group=self.engine._dp_group)
             actives = flags.tolist()
@@ -362,7 +365,7 @@ class CoreLane:
         """`row` of every rank of this core replica (its TP group), in TP rank order."""
         if self.engine.info.tp_size == 1:
             return [row]
-        mine = torch.tensor(row, dtype=torch.int64)
+        mine = torch.tensor(row, dtype=torch.int64, device=self.engine.device)
         rows = [torch.zeros_like(mine) for _ in range(self.engine.info.tp_size)]
         dist.all_gather(rows, mine, group=self.engine._tp_group)
         return [r.tolist() for r in rows]
@@ -404,6 +407,9 @@ class CoreLane:
 
     def computes(self) -> bool:
         return True
+
+    def defers_reduction(self) -> bool:
+        return self._hybrid_share is not None  # a hybrid (or its fill-in) adds to this step
 
     def add_logprobs(self, out: torch.Tensor, fill_in) -> torch.Tensor:
         if self._hybrid_share is None:
@@ -507,6 +513,9 @@ class HybridFollower:
 
     def computes(self) -> bool:
         return bool(self.step_meta.get("active"))
+
+    def defers_reduction(self) -> bool:
+        return True  # the core reduces this replica's gradients; it never does
 
     def add_logprobs(self, out: torch.Tensor, fill_in) -> torch.Tensor:
         self.channel.send("logprobs", self._header(minibatch=self._minibatch), tensor_to_bytes(out))

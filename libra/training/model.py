@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from libra.training.config import RECOMPUTE_MODES
-
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 VOCAB_DIVISIBLE_BY = 128
 """Megatron's `make_vocab_size_divisible_by` default: the padded vocab is a multiple of this x TP."""
@@ -132,14 +130,12 @@ def transformer_engine_usable(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
 
 
-def _recompute_fields(recompute: str) -> dict[str, Any]:
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"training.recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    if recompute == "selective":
-        return {"recompute_granularity": "selective"}
-    if recompute == "full":
-        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    return {}
+_RECOMPUTE_FIELDS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+"""Megatron's fields for each `training.recompute` mode (`libra.training.config.RECOMPUTE_MODES`)."""
 
 
 def build_transformer_config(
@@ -192,10 +188,12 @@ def build_transformer_config(
         calculate_per_token_loss=True,
         # Micro-batches are padded to their own longest row: pipeline stages exchange shapes.
         variable_seq_lengths=True,
+        # Megatron refuses variable lengths with its default token dispatcher even for a dense
+        # model (no experts: the dispatcher is never built).
         moe_token_dispatcher_type="alltoall",
         # Batched p2p needs a device stream to synchronise; gloo sends one by one.
         batch_p2p_comm=device.type != "cpu",
-        **_recompute_fields(recompute),
+        **_RECOMPUTE_FIELDS[recompute],
     )
 
 

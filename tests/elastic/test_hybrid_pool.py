@@ -208,7 +208,10 @@ def test_killed_hybrid_step_completes_on_the_core(runs):
 
 
 def test_released_hybrid_stayed_in_lockstep(runs):
-    """At release the hybrid's weights equal the core's: same logprobs on a fixed batch."""
+    """At release the hybrid's weights equal the core's: same logprobs on a fixed batch. The hybrid
+    holds no optimizer, so this checks that every step's stepped weights reached it and were
+    loaded into its model exactly (its own forward pass scores the batch); that its gradients
+    counted is what the loss equalities with static DP check."""
     core, hybrid = runs["core"], runs["hybrid_gen2"]
     diff = max(
         abs(a - b)

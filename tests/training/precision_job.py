@@ -4,7 +4,8 @@ Two measurements on the same tiny Qwen3 and the same batches:
 1. `small_lr`: one GRPO step at lr 1e-6; which elements of the optimizer's main parameters (fp32
    copies for a bf16 model) changed, per dtype.
 2. `run`: `steps` GRPO steps at the spec's lr; per-step losses, grad norms, and per-token
-   logprobs of a fixed batch before and after, per dtype.
+   logprobs of a fixed batch before and after, per dtype. The bf16 run saves a checkpoint halfway;
+   a fresh engine resumes from it and runs the second half again (`resumed_losses`).
 """
 
 from __future__ import annotations
@@ -62,13 +63,22 @@ def main(spec: dict) -> None:
         }
         e = engine(dtype, spec["lr"])
         record = {"losses": [], "grad_norms": [], "logprobs_start": e.compute_logprobs(make_batch(seed=7))}
+        halfway = spec["steps"] // 2
+        checkpoint = f"{spec['out_dir']}/ckpt_{dtype}"
         for step in range(1, spec["steps"] + 1):
+            if dtype == "bfloat16" and step == halfway + 1:
+                e.save_checkpoint(checkpoint)
             result = e.train_step(batch_for_step(step))
             record["losses"].append(result.loss)
             record["grad_norms"].append(result.grad_norm)
         record["logprobs_end"] = e.compute_logprobs(make_batch(seed=7))
         record["optimizer_bytes"] = e.optimizer_state_bytes()
         record["num_params"] = sum(p.numel() for p in e.model.parameters())
+        if dtype == "bfloat16":
+            resumed = engine(dtype, spec["lr"])
+            resumed.load_checkpoint(checkpoint)
+            steps = range(halfway + 1, spec["steps"] + 1)
+            record["resumed_losses"] = [resumed.train_step(batch_for_step(step)).loss for step in steps]
         out["run"][dtype] = record
     torch.save(out, f"{spec['out_dir']}/result.pt")
     shutdown()

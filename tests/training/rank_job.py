@@ -18,6 +18,8 @@ def batch_for_step(step: int):
         t.policy_versions = [max(step - 1, 0) if v >= 0 else v for v in t.policy_versions]
     if step == 3:  # far too stale: the gate (max_staleness=1) drops it
         batch[0].policy_versions = [0 if v >= 0 else v for v in batch[0].policy_versions]
+    if step == 4:  # a thin batch: mini-batches of 1 and 2 trajectories leave DP shares empty
+        batch = batch[:3]
     return batch
 
 
