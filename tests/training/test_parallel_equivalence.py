@@ -53,6 +53,14 @@ def models(tmp_path_factory):
 
 PP2_MAX_TOKENS = 40
 """The PP=2 job's micro-batch budget: small enough for at least 4 micro-batches per mini-batch."""
+PP2_LAYOUT = {
+    "tp": 1,
+    "pp": 2,
+    "dp": 1,
+    "max_tokens_per_microbatch": PP2_MAX_TOKENS,
+    "recompute": "full",
+    "use_distributed_optimizer": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +91,7 @@ def jobs(models, tmp_path_factory):
         },
         "pp2": {
             **common,
-            "tp": 1,
-            "pp": 2,
-            "dp": 1,
-            "max_tokens_per_microbatch": PP2_MAX_TOKENS,
-            "recompute": "full",
-            "use_distributed_optimizer": False,
+            **PP2_LAYOUT,
             "save_at": SAVES["pp2"],
             "save_dir": ckpt["pp2"],
             "models": [models["qwen3"]],
@@ -118,16 +121,7 @@ def jobs(models, tmp_path_factory):
         "resume_tp1": {**resume, "tp": 1, "pp": 1, "dp": 1, "resume": ckpt["tp2"]},
         "resume_tp1_from_tp2dp2": {**resume, "tp": 1, "pp": 1, "dp": 1, "resume": ckpt["tp2dp2"]},
         "resume_tp2dp2_from_tp1": {**resume, "tp": 2, "pp": 1, "dp": 2, "resume": ckpt["tp1"]},
-        "resume_pp2": {
-            **resume,
-            "tp": 1,
-            "pp": 2,
-            "dp": 1,
-            "max_tokens_per_microbatch": PP2_MAX_TOKENS,
-            "recompute": "full",
-            "use_distributed_optimizer": False,
-            "resume": ckpt["pp2"],
-        },
+        "resume_pp2": {**resume, **PP2_LAYOUT, "resume": ckpt["pp2"]},
     }
     return {**results, **_run_all(resumes, root)}
 
