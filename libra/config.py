@@ -33,7 +33,11 @@ class ControlConfig:
     heartbeat_interval_s: float = 1.0
     """Agents beat this often; three missed beats mark an agent lost."""
     max_rpc_threads: int = 32
-    """Threads serving RPCs in each server (streams hold one each while open)."""
+    """Threads serving RPCs in each of the data plane's synchronous servers (a training rank's,
+    the weight stream's). The controller and node agents serve on asyncio and hold no thread per
+    call."""
+    record_ttl_s: float = 600.0
+    """The controller forgets departed agents and ended workers this long after they ended."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,6 +46,8 @@ class ControlConfig:
             raise ValueError(f"control.heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("control.tls_cert_file and control.tls_key_file must be set together")
+        if self.record_ttl_s <= 0:
+            raise ValueError(f"control.record_ttl_s must be > 0, got {self.record_ttl_s}")
         if self.max_rpc_threads < 4:
             raise ValueError(f"control.max_rpc_threads must be >= 4, got {self.max_rpc_threads}")
 

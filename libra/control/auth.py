@@ -1,15 +1,19 @@
 """Bearer-token authentication and TLS credentials for every Libra gRPC server and client.
 
 Every call carries `authorization: Bearer <token>`; a server interceptor refuses anything else
-with UNAUTHENTICATED before a handler runs. Only the standard health service is exempt, so that
-stock probes (grpc_health_probe, load balancers) work without the secret.
+with UNAUTHENTICATED before a handler runs (on the asyncio servers, before the request body is
+even read). Only the standard health service is exempt, so that stock probes (grpc_health_probe,
+load balancers) work without the secret. The run's token is one such bearer; the controller
+issues each node agent its own (`libra.control.cluster`), which an `Authorizer` scopes to methods.
 """
 
 from __future__ import annotations
 
+import enum
 import hmac
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -18,6 +22,71 @@ from libra.config import ControlConfig
 
 TOKEN_ENV = "LIBRA_TOKEN"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class Verdict(enum.Enum):
+    ALLOW = "allow"
+    UNKNOWN = "unknown"
+    """No such bearer: UNAUTHENTICATED."""
+    FORBIDDEN = "forbidden"
+    """A known bearer that may not call this method: PERMISSION_DENIED."""
+
+
+Authorizer = Callable[[str, str], Verdict]
+"""(full method name, presented bearer) -> verdict; called before any handler or body parsing."""
+
+
+def token_authorizer(token: str) -> Authorizer:
+    """Allows every method to exactly `token` (constant-time comparison)."""
+    if not token:
+        raise ValueError("the bearer token must not be empty")
+    expected = token.encode()
+
+    def authorize(_method: str, bearer: str) -> Verdict:
+        return Verdict.ALLOW if hmac.compare_digest(bearer.encode(), expected) else Verdict.UNKNOWN
+
+    return authorize
+
+
+def bearer_of(metadata) -> str:
+    """The bearer in an `authorization: Bearer <x>` header, or "" when there is none."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value[len("Bearer ") :] if value.startswith("Bearer ") else ""
+    return ""
+
+
+class AioAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses unauthorised calls on a `grpc.aio` server as soon as their headers arrive. The
+    refusal handler reads no body, so an undecodable or never-sent body changes nothing, and an
+    unknown method is refused like any other (its name tells an anonymous caller nothing)."""
+
+    def __init__(self, authorize: Authorizer):
+        self._authorize = authorize
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        bearer = bearer_of(handler_call_details.invocation_metadata)
+        verdict = self._authorize(method, bearer) if bearer else Verdict.UNKNOWN
+        if verdict == Verdict.ALLOW:
+            return await continuation(handler_call_details)
+        if verdict == Verdict.FORBIDDEN:
+            return _refusal(grpc.StatusCode.PERMISSION_DENIED, f"this credential may not call {method}")
+        return _refusal(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or invalid bearer token" if bearer else "missing bearer token",
+        )
+
+
+def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    # A streaming-request handler runs without waiting for a request message; without a
+    # deserializer it never parses one either.
+    async def refuse(_request_iterator, context):
+        await context.abort(code, message)
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def resolve_token(config: ControlConfig, run_dir: str | Path, create: bool) -> str:
@@ -149,17 +218,42 @@ def server_credentials(config: ControlConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)])
 
 
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    # Pings find a dead peer of a long stream (a heartbeat, an event watch) within a minute; the
+    # servers permit pings this often (`libra.control.aio_server`).
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+]
+
+
+def _root_certificates(config: ControlConfig) -> bytes:
+    return Path(config.tls_ca_file or config.tls_cert_file).read_bytes()
+
+
 def open_channel(address: str, token: str | None, config: ControlConfig | None = None) -> grpc.Channel:
     """A client channel to a Libra server that sends `token` on every call (TLS when configured).
     `token=None` opens an unauthenticated channel (only the health service will answer)."""
-    options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
     if config is not None and config.tls_cert_file:
-        root = Path(config.tls_ca_file or config.tls_cert_file).read_bytes()
-        credentials = grpc.ssl_channel_credentials(root_certificates=root)
+        credentials = grpc.ssl_channel_credentials(root_certificates=_root_certificates(config))
         if token is not None:
             credentials = grpc.composite_channel_credentials(
                 credentials, grpc.metadata_call_credentials(_BearerToken(token))
             )
-        return grpc.secure_channel(address, credentials, options=options)
-    channel = grpc.insecure_channel(address, options=options)
+        return grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+    channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
     return grpc.intercept_channel(channel, _BearerInterceptor(token)) if token is not None else channel
+
+
+def open_aio_channel(address: str, config: ControlConfig | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to a Libra server (TLS when configured) that carries no bearer: each
+    call sends its own as `bearer_metadata(...)`, so one channel serves several identities."""
+    if config is not None and config.tls_cert_file:
+        credentials = grpc.ssl_channel_credentials(root_certificates=_root_certificates(config))
+        return grpc.aio.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer {token}"),)

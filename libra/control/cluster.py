@@ -4,12 +4,19 @@ Pure bookkeeping behind one lock, with no gRPC in it, so it can be driven direct
 change is published on the event bus. An agent that has not beaten for `3 × heartbeat interval` is
 marked lost together with its workers (their processes may still run, but the controller can no
 longer reach or vouch for them, so whoever owns them must treat them as gone).
+
+Each agent gets a credential of its own when it registers: only that credential may beat, report
+or deregister for it, and the controller presents it (never the run's token) when it calls the
+agent, so registering an address gains a caller nothing it did not already hold. Records of
+departed agents, and of ended workers, are dropped `record_ttl_s` after they ended.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import secrets
 import threading
 import time
 
@@ -35,21 +42,33 @@ _EVENT_OF_WORKER_STATE = {
 
 
 class Cluster:
-    def __init__(self, heartbeat_interval_s: float, events: EventBus, clock=time.time):
+    def __init__(
+        self, heartbeat_interval_s: float, events: EventBus, clock=time.time, record_ttl_s: float = 600.0
+    ):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.events = events
+        self.record_ttl_s = record_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
         self._agents: dict[str, AgentStatus] = {}
         self._workers: dict[str, WorkerStatus] = {}
         self._agent_numbers = itertools.count(1)
+        self._agent_of_digest: dict[bytes, str] = {}
+        self._credential_of: dict[str, str] = {}
+        self._departed_at: dict[str, float] = {}
 
     # -- agents ---------------------------------------------------------------------------------
 
-    def register_agent(self, host: str, address: str, backend: str, devices: tuple[DeviceInfo, ...]) -> str:
+    def register_agent(
+        self, host: str, address: str, backend: str, devices: tuple[DeviceInfo, ...]
+    ) -> tuple[str, str]:
+        """Records a new live agent; returns its id and its credential."""
         now = self._clock()
+        credential = secrets.token_urlsafe(32)
         with self._lock:
             agent_id = f"agent-{next(self._agent_numbers)}-{host}"
+            self._agent_of_digest[_digest(credential)] = agent_id
+            self._credential_of[agent_id] = credential
             self._agents[agent_id] = AgentStatus(
                 agent_id=agent_id,
                 host=host,
@@ -65,7 +84,16 @@ class Cluster:
             agent_id=agent_id,
             message=f"{host} at {address}: {len(devices)} {backend} device(s)",
         )
-        return agent_id
+        return agent_id, credential
+
+    def agent_of_credential(self, credential: str) -> str | None:
+        """The agent a credential was issued to (live or departed, until its record expires)."""
+        with self._lock:
+            return self._agent_of_digest.get(_digest(credential))
+
+    def credential(self, agent_id: str) -> str:
+        with self._lock:
+            return self._credential_of[agent_id]
 
     def heartbeat(self, agent_id: str) -> bool:
         """Records a beat; False if the agent is unknown or already declared lost (it must
@@ -85,6 +113,7 @@ class Cluster:
             if agent is None or agent.state != AgentState.ALIVE:
                 return False
             agent.state = state
+            self._departed_at[agent_id] = self._clock()
             orphans = [w for w in self._workers.values() if w.agent_id == agent_id and not w.state.ended]
             for worker in orphans:
                 worker.state = WorkerState.LOST
@@ -117,6 +146,20 @@ class Cluster:
             )
         ]
 
+    def forget_expired(self) -> int:
+        """Drops the records of agents departed, and of workers ended, more than `record_ttl_s`
+        ago (with the departed agents' credentials); returns how many records went."""
+        horizon = self._clock() - self.record_ttl_s
+        with self._lock:
+            agents = [a for a, at in self._departed_at.items() if at < horizon]
+            for agent_id in agents:
+                del self._agents[agent_id], self._departed_at[agent_id]
+                del self._agent_of_digest[_digest(self._credential_of.pop(agent_id))]
+            workers = [w for w, s in self._workers.items() if s.state.ended and s.ended_at < horizon]
+            for worker_id in workers:
+                del self._workers[worker_id]
+        return len(agents) + len(workers)
+
     def live_agent(self, agent_id: str) -> AgentStatus:
         with self._lock:
             agent = self._agents.get(agent_id)
@@ -128,12 +171,26 @@ class Cluster:
 
     # -- workers --------------------------------------------------------------------------------
 
-    def record_worker(self, status: WorkerStatus) -> None:
+    def record_report(self, agent_id: str, status: WorkerStatus) -> None:
+        """A worker status that agent `agent_id` reports itself: it may speak for its own workers
+        only."""
+        if status.agent_id != agent_id:
+            raise PermissionError(f"agent {agent_id} may not report for agent {status.agent_id!r}")
+        self.live_agent(agent_id)
+        self.record_worker(status, reported_by=agent_id)
+
+    def record_worker(self, status: WorkerStatus, reported_by: str | None = None) -> None:
         """Takes a worker's status as its agent reports it; publishes the transition once."""
         with self._lock:
             previous = self._workers.get(status.spec.worker_id)
-            if previous is not None and previous.state.ended:
-                return  # an ended worker stays ended (e.g. a late exit report after LOST)
+            if reported_by is not None and previous is not None and previous.agent_id != reported_by:
+                raise PermissionError(
+                    f"worker {status.spec.worker_id!r} runs on agent {previous.agent_id}, not {reported_by}"
+                )
+            if previous is not None and previous.state.ended and previous.pid == status.pid:
+                # That process ended: a late exit report after LOST, or a start reply after the
+                # exit report. A new process under the same id replaces the record.
+                return
             self._workers[status.spec.worker_id] = status
             changed = previous is None or previous.state != status.state
         event_kind = _EVENT_OF_WORKER_STATE.get(status.state)
@@ -154,6 +211,11 @@ class Cluster:
                 raise LookupError(f"unknown worker_id {worker_id!r}")
             return self._workers[worker_id]
 
+    def running_worker(self, worker_id: str) -> WorkerStatus | None:
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            return None if worker is None or worker.state.ended else dataclasses.replace(worker)
+
     def snapshot(self) -> ClusterState:
         with self._lock:
             return ClusterState(
@@ -161,3 +223,7 @@ class Cluster:
                 workers=[dataclasses.replace(w) for w in self._workers.values()],
                 last_event_sequence=self.events.last_sequence,
             )
+
+
+def _digest(credential: str) -> bytes:
+    return hashlib.sha256(credential.encode()).digest()

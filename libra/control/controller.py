@@ -9,6 +9,7 @@ same `Cluster` and `EventBus`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from pathlib import Path
@@ -17,112 +18,177 @@ from typing import TYPE_CHECKING
 import grpc
 
 from libra.control import convert
-from libra.control.auth import open_channel, resolve_token
-from libra.control.cluster import Cluster
+from libra.control.aio_server import ServerThread, add_service, concurrency_limit, start_aio_server
+from libra.control.auth import (
+    Authorizer,
+    Verdict,
+    bearer_metadata,
+    bearer_of,
+    open_aio_channel,
+    resolve_token,
+    token_authorizer,
+)
+from libra.control.cluster import MISSED_BEATS_BEFORE_LOST, Cluster
 from libra.control.events import EventBus
-from libra.control.server import RunningServer, rpc_errors, start_server
+from libra.control.server import rpc_errors
 from libra.control.types import AgentState, EventKind
 from libra.planner.config import PlanningProblem
 from libra.planner.planner import Planner, PlannerEvent
 from libra.planner.service import add_planner_service
-from libra.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, controller_pb2_grpc
+from libra.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
 
 if TYPE_CHECKING:
-    from libra.config import LibraConfig
+    from libra.config import ControlConfig, LibraConfig
 
 logger = logging.getLogger(__name__)
 
+_SERVICES = controller_pb2.DESCRIPTOR.services_by_name
+AGENT_SESSION_METHODS = frozenset(
+    f"/{_SERVICES['AgentRegistry'].full_name}/{name}" for name in ("Heartbeat", "ReportWorker", "Deregister")
+)
+"""Called by an agent on its own credential only; every other method takes the run's token."""
+MAX_WATCHERS = 1024
+"""Open `WatchEvents` streams; more are refused with RESOURCE_EXHAUSTED."""
+MAX_WATCH_BACKLOG = 4096
+"""Events a watcher may leave unread before its stream ends with RESOURCE_EXHAUSTED. Less than the
+bus's history (10,000), so that it can resume where it stopped without a gap."""
 
-class AgentRegistryServicer(controller_pb2_grpc.AgentRegistryServicer):
+
+def controller_authorizer(token: str, cluster: Cluster) -> Authorizer:
+    """The run's token may call everything but an agent's own session; an agent's credential
+    may call only that."""
+    is_token = token_authorizer(token)
+
+    def authorize(method: str, bearer: str) -> Verdict:
+        session = method in AGENT_SESSION_METHODS
+        if is_token(method, bearer) == Verdict.ALLOW:
+            return Verdict.FORBIDDEN if session else Verdict.ALLOW
+        if cluster.agent_of_credential(bearer) is not None:
+            return Verdict.ALLOW if session else Verdict.FORBIDDEN
+        return Verdict.UNKNOWN
+
+    return authorize
+
+
+class AgentRegistryServicer:
+    """`libra.v1.AgentRegistry`: agents register on the run's token and receive a credential;
+    their heartbeats, reports and deregistration name no agent the credential does not."""
+
     def __init__(self, cluster: Cluster):
         self._cluster = cluster
 
+    def _session_agent(self, context, claimed: str) -> str:
+        agent_id = self._cluster.agent_of_credential(bearer_of(context.invocation_metadata()))
+        if agent_id is None:  # expired since the interceptor let the call in
+            raise PermissionError("this agent credential has expired; register again")
+        if claimed and claimed != agent_id:
+            raise PermissionError(f"this credential belongs to {agent_id}, not {claimed!r}")
+        return agent_id
+
+    @concurrency_limit(64)
     @rpc_errors
-    def Register(self, request, context):
-        if not request.host:
-            raise convert.InvalidArgument("host must not be empty")
-        if ":" not in request.address:
-            raise convert.InvalidArgument(f"address must be host:port, got {request.address!r}")
-        devices = tuple(convert.device_from_proto(d, f"devices[{i}]") for i, d in enumerate(request.devices))
-        if len({d.index for d in devices}) != len(devices):
-            raise convert.InvalidArgument("devices have duplicate indices")
-        agent_id = self._cluster.register_agent(request.host, request.address, request.backend, devices)
-        logger.info("agent %s registered from %s with %d device(s)", agent_id, request.address, len(devices))
+    async def Register(self, request, context):
+        host, address, backend, devices = convert.registration_from_proto(request)
+        agent_id, credential = self._cluster.register_agent(host, address, backend, devices)
+        logger.info("agent %s registered from %s with %d device(s)", agent_id, address, len(devices))
         return controller_pb2.RegisterReply(
-            agent_id=agent_id, heartbeat_interval_s=self._cluster.heartbeat_interval_s
+            agent_id=agent_id, heartbeat_interval_s=self._cluster.heartbeat_interval_s, credential=credential
         )
 
-    def Heartbeat(self, request_iterator, context):
-        agent_id = ""
+    @rpc_errors
+    async def Heartbeat(self, request_iterator, context):
+        agent_id = self._session_agent(context, "")
+        # A beat is due every interval; a stream silent for longer than the liveness monitor
+        # waits is over (the agent is lost by then) and must not hold its coroutine forever.
+        silence_s = (MISSED_BEATS_BEFORE_LOST + 1) * self._cluster.heartbeat_interval_s
+        reason = "heartbeat stream closed"
         try:
-            for beat in request_iterator:
-                agent_id = beat.agent_id
+            while True:
+                try:
+                    beat = await asyncio.wait_for(context.read(), silence_s)
+                except TimeoutError:
+                    reason = f"no heartbeat for {silence_s:.1f} s"
+                    break
+                if beat is grpc.aio.EOF:
+                    break
+                self._session_agent(context, beat.agent_id)
                 known = self._cluster.heartbeat(agent_id)
-                yield controller_pb2.HeartbeatReply(known=known)
+                await context.write(controller_pb2.HeartbeatReply(known=known))
                 if not known:
                     return
-        except grpc.RpcError:
-            pass  # the agent's side of the stream broke: handled below like a closed stream
-        if agent_id and self._cluster.mark_agent_gone(agent_id, AgentState.LOST, "heartbeat stream closed"):
-            logger.warning("agent %s lost: heartbeat stream closed", agent_id)
+        finally:
+            if self._cluster.mark_agent_gone(agent_id, AgentState.LOST, reason):
+                logger.warning("agent %s lost: %s", agent_id, reason)
 
+    @concurrency_limit(256)
     @rpc_errors
-    def ReportWorker(self, request, context):
-        self._cluster.live_agent(request.agent_id)
-        status = convert.worker_status_from_proto(request.worker)
-        if status.agent_id != request.agent_id:
-            raise convert.InvalidArgument("worker.agent_id must equal agent_id")
-        self._cluster.record_worker(status)
+    async def ReportWorker(self, request, context):
+        agent_id = self._session_agent(context, request.agent_id)
+        self._cluster.record_report(agent_id, convert.worker_status_from_proto(request.worker))
         return controller_pb2.ReportWorkerReply()
 
+    @concurrency_limit(64)
     @rpc_errors
-    def Deregister(self, request, context):
-        self._cluster.mark_agent_gone(request.agent_id, AgentState.LEFT, "deregistered")
+    async def Deregister(self, request, context):
+        agent_id = self._session_agent(context, request.agent_id)
+        self._cluster.mark_agent_gone(agent_id, AgentState.LEFT, "deregistered")
         return controller_pb2.DeregisterReply()
 
 
-class ClusterApiServicer(controller_pb2_grpc.ClusterApiServicer):
-    def __init__(self, cluster: Cluster, agents: AgentClients, stopping: threading.Event):
+class ClusterApiServicer:
+    """`libra.v1.ClusterApi`: the external controller API (docs/grpc-api.md)."""
+
+    def __init__(self, cluster: Cluster, agents: AgentClients):
         self._cluster = cluster
         self._agents = agents
-        self._stopping = stopping
+        self._encoder = convert.ClusterStateEncoder()
 
+    @concurrency_limit(64)
     @rpc_errors
-    def GetClusterState(self, request, context):
-        return convert.cluster_state_to_proto(self._cluster.snapshot())
+    async def GetClusterState(self, request, context) -> bytes:
+        return self._encoder.encode(self._cluster.snapshot())
 
+    @concurrency_limit(MAX_WATCHERS)
     @rpc_errors
-    def WatchEvents(self, request, context):
+    async def WatchEvents(self, request, context):
         if request.after_sequence < 0:
             raise convert.InvalidArgument(f"after_sequence must be >= 0, got {request.after_sequence}")
         kinds = convert.event_kinds_from_proto(list(request.kinds))
-        events = self._cluster.events.watch(
-            request.after_sequence,
-            kinds,
-            is_active=lambda: context.is_active() and not self._stopping.is_set(),
+        events = self._cluster.events.watch_async(
+            request.after_sequence, kinds, request.only_new, max_pending=MAX_WATCH_BACKLOG
         )
-        return (convert.event_to_proto(e) for e in events)
+        async for event in events:
+            yield convert.event_to_proto(event)
 
+    @concurrency_limit(64)
     @rpc_errors
-    def StartWorker(self, request, context):
+    async def StartWorker(self, request, context):
         spec = convert.worker_spec_from_proto(request.spec)
         agent = self._cluster.live_agent(request.agent_id)
+        running = self._cluster.running_worker(spec.worker_id)
+        if running is not None:
+            raise convert.InvalidArgument(
+                f"spec.worker_id {spec.worker_id!r} is already running on agent {running.agent_id}"
+            )
         owned = {d.index for d in agent.devices}
         foreign = [d for d in spec.devices if d not in owned]
         if foreign:
             raise convert.InvalidArgument(f"spec.devices {foreign} do not exist on agent {agent.agent_id}")
-        reply = self._agents.call(
-            agent.address, "StartWorker", agent_pb2.AgentStartWorkerRequest(spec=request.spec)
+        reply = await self._agents.call(
+            agent.agent_id, "StartWorker", agent_pb2.AgentStartWorkerRequest(spec=request.spec)
         )
         self._cluster.record_worker(convert.worker_status_from_proto(reply))
         return reply
 
+    @concurrency_limit(64)
     @rpc_errors
-    def StopWorker(self, request, context):
+    async def StopWorker(self, request, context):
+        if request.grace_s < 0:
+            raise convert.InvalidArgument(f"grace_s must be >= 0, got {request.grace_s}")
         worker = self._cluster.worker(request.worker_id)
         agent = self._cluster.live_agent(worker.agent_id)
-        reply = self._agents.call(
-            agent.address,
+        reply = await self._agents.call(
+            agent.agent_id,
             "StopWorker",
             agent_pb2.AgentStopWorkerRequest(worker_id=request.worker_id, grace_s=request.grace_s),
         )
@@ -131,32 +197,38 @@ class ClusterApiServicer(controller_pb2_grpc.ClusterApiServicer):
 
 
 class AgentClients:
-    """Channels from the controller to node agents, one per address, opened on first use."""
+    """Channels from the controller to node agents, one per address, opened on first use. Each
+    call presents the called agent's own credential: an address that a caller registered never
+    sees the run's token."""
 
-    def __init__(self, token: str, config: LibraConfig, rpc_timeout_s: float = 30.0):
-        self._token = token
-        self._config = config
+    def __init__(self, cluster: Cluster, control: ControlConfig, rpc_timeout_s: float = 30.0):
+        self._cluster = cluster
+        self._control = control
         self._timeout = rpc_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, agent_pb2_grpc.NodeAgentStub] = {}
-        self._lock = threading.Lock()
 
-    def call(self, address: str, method: str, request):
-        with self._lock:
-            if address not in self._stubs:
-                self._stubs[address] = agent_pb2_grpc.NodeAgentStub(
-                    open_channel(address, self._token, self._config.control)
-                )
-            stub = self._stubs[address]
+    async def call(self, agent_id: str, method: str, request):
+        address = self._cluster.live_agent(agent_id).address
+        if address not in self._stubs:
+            self._channels[address] = open_aio_channel(address, self._control)
+            self._stubs[address] = agent_pb2_grpc.NodeAgentStub(self._channels[address])
         try:
-            return getattr(stub, method)(request, timeout=self._timeout)
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-                raise (
-                    convert.InvalidArgument if e.code() == grpc.StatusCode.INVALID_ARGUMENT else LookupError
-                )(e.details()) from None
+            return await getattr(self._stubs[address], method)(
+                request, timeout=self._timeout, metadata=bearer_metadata(self._cluster.credential(agent_id))
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise convert.InvalidArgument(e.details()) from None
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise LookupError(e.details()) from None
             raise RuntimeError(
-                f"agent at {address} failed {method}: {e.code().name}: {e.details()}"
+                f"agent {agent_id} at {address} failed {method}: {e.code().name}: {e.details()}"
             ) from None
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
 
 
 _EVENT_OF_PLANNER_EVENT = {
@@ -168,8 +240,9 @@ _EVENT_OF_PLANNER_EVENT = {
 
 
 class Controller:
-    """Runs the controller's gRPC server and its liveness monitor until `stop()`. With a planning
-    problem it also owns the global planner, serves `PlannerService` and publishes plan events."""
+    """Runs the controller's gRPC server (on its own asyncio loop thread) and its liveness monitor
+    until `stop()`. With a planning problem it also owns the global planner, serves
+    `PlannerService` and publishes plan events."""
 
     def __init__(
         self, config: LibraConfig, token: str | None = None, planning_problem: PlanningProblem | None = None
@@ -177,41 +250,55 @@ class Controller:
         self.config = config
         self.token = token or resolve_token(config.control, Path(config.run_dir), create=True)
         self.events = EventBus()
-        self.cluster = Cluster(config.control.heartbeat_interval_s, self.events)
+        self.cluster = Cluster(
+            config.control.heartbeat_interval_s, self.events, record_ttl_s=config.control.record_ttl_s
+        )
         self._planning_problem = planning_problem
         self.planner = (
             Planner(planning_problem, on_event=self._publish_planner_event) if planning_problem else None
         )
         self._stopping = threading.Event()
-        self._agents = AgentClients(self.token, config)
-        self._server: RunningServer | None = None
+        self._agents = AgentClients(self.cluster, config.control)
+        self._server = ServerThread("libra-controller")
+        self._port = 0
         self._monitor = threading.Thread(target=self._watch_liveness, name="libra-liveness", daemon=True)
 
     @property
     def port(self) -> int:
-        assert self._server is not None, "start() first"
-        return self._server.port
+        assert self._port, "start() first"
+        return self._port
 
     @property
     def address(self) -> str:
         return f"{self.config.control.host}:{self.port}"
 
     def start(self) -> Controller:
-        def add_servicers(server: grpc.Server) -> list[str]:
-            controller_pb2_grpc.add_AgentRegistryServicer_to_server(
-                AgentRegistryServicer(self.cluster), server
-            )
-            controller_pb2_grpc.add_ClusterApiServicer_to_server(
-                ClusterApiServicer(self.cluster, self._agents, self._stopping), server
-            )
-            services = controller_pb2.DESCRIPTOR.services_by_name
-            names = [services["AgentRegistry"].full_name, services["ClusterApi"].full_name]
+        def add_servicers(server: grpc.aio.Server) -> list[str]:
+            names = [
+                add_service(server, _SERVICES["AgentRegistry"], AgentRegistryServicer(self.cluster)),
+                add_service(
+                    server,
+                    _SERVICES["ClusterApi"],
+                    ClusterApiServicer(self.cluster, self._agents),
+                    encoded_replies=["GetClusterState"],
+                ),
+            ]
             if self.planner is not None:
                 devices_per_node = self._planning_problem.cluster.devices_per_node
                 names += add_planner_service(self.planner, devices_per_node)(server)
             return names
 
-        self._server = start_server(self.config.control, self.token, add_servicers)
+        running = self._server.start(
+            lambda: start_aio_server(
+                self.config.control,
+                controller_authorizer(self.token, self.cluster),
+                add_servicers,
+                max_message_bytes=4 << 20,
+                max_reply_bytes=256 << 20,  # the state of thousands of agents and workers
+                sync_handler_threads=4,  # the planner's servicer, whose searches are CPU work
+            )
+        )
+        self._port = running.port
         self._monitor.start()
         logger.info("controller listening on %s", self.address)
         return self
@@ -226,11 +313,11 @@ class Controller:
         while not self._stopping.wait(self.config.control.heartbeat_interval_s / 3):
             for agent_id in self.cluster.expire_silent_agents():
                 logger.warning("agent %s lost: missed heartbeats", agent_id)
+            self.cluster.forget_expired()
 
     def wait(self) -> None:
         self._stopping.wait()
 
     def stop(self) -> None:
         self._stopping.set()
-        if self._server is not None:
-            self._server.stop()
+        self._server.stop(then=self._agents.close)

@@ -4,6 +4,7 @@ translation of `InvalidArgument` into the INVALID_ARGUMENT status."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
@@ -74,19 +75,62 @@ def bind(
     return bound
 
 
+def _status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
+    if isinstance(error, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, LookupError):
+        return grpc.StatusCode.NOT_FOUND, str(error.args[0]) if error.args else str(error)
+    if isinstance(error, PermissionError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(error)
+    if isinstance(error, OverflowError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, RuntimeError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
+    return None
+
+
 def rpc_errors(method):
-    """Servicer-method decorator: `InvalidArgument` → INVALID_ARGUMENT, `LookupError` → NOT_FOUND,
-    `RuntimeError` → FAILED_PRECONDITION, each with the exception's message."""
+    """Servicer-method decorator (plain, async, or async-generator methods): `InvalidArgument` →
+    INVALID_ARGUMENT, `LookupError` → NOT_FOUND, `PermissionError` → PERMISSION_DENIED,
+    `OverflowError` → RESOURCE_EXHAUSTED, `RuntimeError` → FAILED_PRECONDITION, each with the
+    exception's message."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self, request, context):
+            try:
+                async for reply in method(self, request, context):
+                    yield reply
+            except Exception as e:
+                status = _status_of(e)
+                if status is None:
+                    raise
+                await context.abort(*status)
+
+        return stream_wrapper
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def async_wrapper(self, request, context):
+            try:
+                return await method(self, request, context)
+            except Exception as e:
+                status = _status_of(e)
+                if status is None:
+                    raise
+                await context.abort(*status)
+
+        return async_wrapper
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except InvalidArgument as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except LookupError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else str(e))
-        except RuntimeError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Exception as e:
+            status = _status_of(e)
+            if status is None:
+                raise
+            context.abort(*status)
 
     return wrapper

@@ -22,6 +22,7 @@ from concurrent import futures
 from pathlib import Path
 
 from libra.backends.base import Backend
+from libra.control.auth import TOKEN_ENV
 from libra.control.convert import InvalidArgument
 from libra.control.types import WorkerSpec, WorkerState, WorkerStatus
 
@@ -66,7 +67,7 @@ class WorkerSupervisor:
             if busy:
                 raise InvalidArgument(f"spec.devices {busy} are held by a running worker")
             log_path = self._log_dir / f"{spec.worker_id}.log"
-            env = {**os.environ, **self._backend.worker_env(list(spec.devices)), **spec.env}
+            env = {**_inherited_environment(), **self._backend.worker_env(list(spec.devices)), **spec.env}
             _check_command(spec.argv[0], env, spec.cwd)
             spawned: futures.Future[subprocess.Popen] = futures.Future()
             threading.Thread(
@@ -176,6 +177,12 @@ _EXEC_WITH_PARENT_DEATH_SIGNAL = (
     "os.getppid() == int(sys.argv[1]) or os._exit(137); "
     "os.execvp(sys.argv[2], sys.argv[2:])"
 )
+
+
+def _inherited_environment() -> dict[str, str]:
+    """The agent's environment without its secrets: a worker gets the run's token only when its
+    spec passes it explicitly."""
+    return {name: value for name, value in os.environ.items() if name != TOKEN_ENV}
 
 
 def _check_command(argv0: str, env: dict[str, str], cwd: str) -> None:

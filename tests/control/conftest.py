@@ -54,7 +54,7 @@ class AgentProcess:
 def spawn_agent(controller, config, tmp_path):
     processes: list[subprocess.Popen] = []
 
-    def spawn(num_devices: int = 2) -> AgentProcess:
+    def spawn(num_devices: int = 2, overrides: tuple[str, ...] = ()) -> AgentProcess:
         known = {a.agent_id for a in controller.cluster.snapshot().agents}
         env = {**os.environ, "LIBRA_TOKEN": TOKEN}
         process = subprocess.Popen(
@@ -67,6 +67,7 @@ def spawn_agent(controller, config, tmp_path):
                 controller.address,
                 f"run_dir={tmp_path / f'agent{len(processes)}'}",
                 f"backend.num_devices={num_devices}",
+                *overrides,
             ],
             env=env,
             stdout=subprocess.DEVNULL,

@@ -238,6 +238,19 @@ def test_malformed_requests_name_the_field(controller, client, spawn_agent):
         "spec.cwd contains a NUL byte": controller_pb2.StartWorkerRequest(
             agent_id=agent.agent_id, spec=spec(cwd="/tmp\0x")
         ),
+        # An empty device list used to answer FAILED_PRECONDITION or UNKNOWN.
+        "spec.devices must name at least one device": controller_pb2.StartWorkerRequest(
+            agent_id=agent.agent_id, spec=spec(devices=[])
+        ),
+        "spec.cwd must be an absolute path": controller_pb2.StartWorkerRequest(
+            agent_id=agent.agent_id, spec=spec(cwd="relative/dir")
+        ),
+        "spec.argv[1] is longer than": controller_pb2.StartWorkerRequest(
+            agent_id=agent.agent_id, spec=spec(argv=["true", "x" * 200_000])
+        ),
+        "spec.env has invalid variable names": controller_pb2.StartWorkerRequest(
+            agent_id=agent.agent_id, spec=spec(env={"BAD=NAME": "1"})
+        ),
     }
     for field, request in cases.items():
         with pytest.raises(grpc.RpcError) as err:
@@ -245,6 +258,15 @@ def test_malformed_requests_name_the_field(controller, client, spawn_agent):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert field in err.value.details()
 
+    registry = controller_pb2_grpc.AgentRegistryStub(open_channel(controller.address, TOKEN))
+    for request, field in (
+        (controller_pb2.RegisterRequest(host="h", address="nowhere", backend="cpu"), "address"),
+        (controller_pb2.RegisterRequest(host="h\n", address="h:1", backend="cpu"), "host"),
+        (controller_pb2.RegisterRequest(host="h", address="h:1", backend=""), "backend"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            registry.Register(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         list(stub.WatchEvents(controller_pb2.WatchEventsRequest(after_sequence=-1)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "after_sequence" in err.value.details()
