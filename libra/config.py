@@ -38,6 +38,9 @@ class ControlConfig:
     call."""
     record_ttl_s: float = 600.0
     """The controller forgets departed agents and ended workers this long after they ended."""
+    max_connection_age_s: float = 1800.0
+    """Servers recycle a connection after this long (its calls get a third more to finish);
+    heartbeat streams are renewed within it, event watchers resume (`ClusterClient`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -46,6 +49,8 @@ class ControlConfig:
             raise ValueError(f"control.heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("control.tls_cert_file and control.tls_key_file must be set together")
+        if self.max_connection_age_s < 1:
+            raise ValueError(f"control.max_connection_age_s must be >= 1, got {self.max_connection_age_s}")
         if self.record_ttl_s <= 0:
             raise ValueError(f"control.record_ttl_s must be > 0, got {self.record_ttl_s}")
         if self.max_rpc_threads < 4:

@@ -92,7 +92,7 @@ def open_channel(address: str, ca_file: str | None) -> grpc.Channel:
 
 class EventWatcher:
     """Follows WatchEvents in a background thread and keeps every event it received. A stream that
-    breaks (UNAVAILABLE, or RESOURCE_EXHAUSTED for a watcher that fell 10,000 events behind) is
+    breaks (UNAVAILABLE, or RESOURCE_EXHAUSTED for a watcher that fell 4,096 events behind) is
     reopened after the last sequence received; a jump in the sequence says events were lost."""
 
     def __init__(self, stub: controller_pb2_grpc.ClusterApiStub, metadata, after_sequence: int):

@@ -46,6 +46,19 @@ _SERVER_OPTIONS = [
 ]
 
 
+def connection_age_options(max_age_s: float) -> list[tuple[str, int]]:
+    """A connection gets GOAWAY after `max_age_s` (new calls reconnect) and its calls a grace of
+    a third of that, then it closes: no caller, stalled or not, keeps a connection for longer."""
+    age_ms = int(max_age_s * 1000)
+    return [("grpc.max_connection_age_ms", age_ms), ("grpc.max_connection_age_grace_ms", age_ms // 3)]
+
+
+def stream_lifetime_s(max_age_s: float) -> float:
+    """How long a server may keep one long stream (a heartbeat) before ending it cleanly for the
+    client to reopen: half the grace, so that it always ends before its connection closes."""
+    return max_age_s / 6
+
+
 @dataclass
 class RunningAioServer:
     server: grpc.aio.Server
@@ -80,6 +93,7 @@ async def start_aio_server(
         interceptors=[AioAuthInterceptor(authorize)],
         options=[
             *_SERVER_OPTIONS,
+            *connection_age_options(config.max_connection_age_s),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_reply_bytes or max_message_bytes),
         ],

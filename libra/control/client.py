@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
+
+import grpc
 
 from libra.config import ControlConfig
 from libra.control import convert
 from libra.control.auth import open_channel
 from libra.control.types import ClusterState, Event, EventKind, WorkerSpec, WorkerStatus
 from libra.v1 import controller_pb2, controller_pb2_grpc
+
+_RESUME_AFTER_S = 1.0
+"""A watch cut after at least this long is resumed; one that fails sooner is the caller's error."""
 
 
 class ClusterClient:
@@ -24,12 +30,21 @@ class ClusterClient:
         return convert.cluster_state_from_proto(reply)
 
     def watch_events(self, after_sequence: int = 0, kinds: Iterable[EventKind] = ()) -> Iterator[Event]:
-        """Blocks on the stream; cancel by closing the client (or breaking out and calling close)."""
-        request = controller_pb2.WatchEventsRequest(
-            after_sequence=after_sequence, kinds=[int(k) for k in kinds]
-        )
-        for msg in self._stub.WatchEvents(request):
-            yield convert.event_from_proto(msg)
+        """Blocks on the stream; cancel by closing the client (or breaking out and calling close).
+        When the controller recycles the connection under a stream that had been open a while, it
+        resumes after the last event received, so the caller sees no gap and no repeat."""
+        last = after_sequence
+        while True:
+            request = controller_pb2.WatchEventsRequest(after_sequence=last, kinds=[int(k) for k in kinds])
+            opened = time.monotonic()
+            try:
+                for msg in self._stub.WatchEvents(request):
+                    last = msg.sequence
+                    yield convert.event_from_proto(msg)
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() - opened < _RESUME_AFTER_S:
+                    raise
 
     def start_worker(self, agent_id: str, spec: WorkerSpec) -> WorkerStatus:
         reply = self._stub.StartWorker(

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from libra.control import convert
-from libra.control.aio_server import ServerThread, add_service, concurrency_limit, start_aio_server
+from libra.control.aio_server import (
+    ServerThread,
+    add_service,
+    concurrency_limit,
+    start_aio_server,
+    stream_lifetime_s,
+)
 from libra.control.auth import (
     Authorizer,
     Verdict,
@@ -74,8 +80,9 @@ class AgentRegistryServicer:
     """`libra.v1.AgentRegistry`: agents register on the run's token and receive a credential;
     their heartbeats, reports and deregistration name no agent the credential does not."""
 
-    def __init__(self, cluster: Cluster):
+    def __init__(self, cluster: Cluster, stream_lifetime_s: float):
         self._cluster = cluster
+        self._stream_lifetime_s = stream_lifetime_s
 
     def _session_agent(self, context, claimed: str) -> str:
         agent_id = self._cluster.agent_of_credential(bearer_of(context.invocation_metadata()))
@@ -101,12 +108,19 @@ class AgentRegistryServicer:
         # A beat is due every interval; a stream silent for longer than the liveness monitor
         # waits is over (the agent is lost by then) and must not hold its coroutine forever.
         silence_s = (MISSED_BEATS_BEFORE_LOST + 1) * self._cluster.heartbeat_interval_s
+        # The stream ends cleanly before its connection ages out; the agent opens the next one
+        # at once and stays alive throughout.
+        renew_at = asyncio.get_running_loop().time() + self._stream_lifetime_s
         reason = "heartbeat stream closed"
         try:
             while True:
+                wait_s = min(silence_s, renew_at - asyncio.get_running_loop().time())
                 try:
-                    beat = await asyncio.wait_for(context.read(), silence_s)
+                    beat = await asyncio.wait_for(context.read(), max(wait_s, 0.0))
                 except TimeoutError:
+                    if wait_s < silence_s:
+                        reason = ""
+                        return
                     reason = f"no heartbeat for {silence_s:.1f} s"
                     break
                 if beat is grpc.aio.EOF:
@@ -117,7 +131,7 @@ class AgentRegistryServicer:
                 if not known:
                     return
         finally:
-            if self._cluster.mark_agent_gone(agent_id, AgentState.LOST, reason):
+            if reason and self._cluster.mark_agent_gone(agent_id, AgentState.LOST, reason):
                 logger.warning("agent %s lost: %s", agent_id, reason)
 
     @concurrency_limit(256)
@@ -275,7 +289,13 @@ class Controller:
     def start(self) -> Controller:
         def add_servicers(server: grpc.aio.Server) -> list[str]:
             names = [
-                add_service(server, _SERVICES["AgentRegistry"], AgentRegistryServicer(self.cluster)),
+                add_service(
+                    server,
+                    _SERVICES["AgentRegistry"],
+                    AgentRegistryServicer(
+                        self.cluster, stream_lifetime_s(self.config.control.max_connection_age_s)
+                    ),
+                ),
                 add_service(
                     server,
                     _SERVICES["ClusterApi"],
