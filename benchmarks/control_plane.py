@@ -295,7 +295,12 @@ def run(args) -> None:
         for swarm in swarms:
             swarm.expect(lambda line: line == "ready", 120)
         ready_at = time.perf_counter()
+        pids = [controller.proc.pid] + [swarm.proc.pid for swarm in swarms]
+        cpu0, own0 = [cpu_seconds(pid) for pid in pids], time.process_time()
         sampled = sample_state(args, address, args.heartbeat_interval)
+        window_s = time.perf_counter() - ready_at
+        cpu = [(cpu_seconds(pid) - c) / window_s for pid, c in zip(pids, cpu0, strict=True)]
+        cpu.append((time.process_time() - own0) / window_s)
         summaries = [swarm_summary(swarm) for swarm in swarms]
         stopped_at = time.perf_counter()
     finally:
@@ -351,7 +356,7 @@ def run(args) -> None:
     table.add_row(
         "heartbeats answered/s",
         f"{sampled['server_beats_per_s']:,.0f}",
-        "recorded by the controller over the window"
+        f"recorded by the controller; per agent one every {args.agents / sampled['server_beats_per_s']:.3f} s"
         + ("" if sampled["count_exact"] else " [red](lower bound)[/]"),
     )
     table.add_row(
@@ -375,6 +380,11 @@ def run(args) -> None:
         f"{len(lat)} calls, one at a time at {args.latency_hz} Hz; {sampled['reply_bytes']:,} B reply",
     )
     table.add_row("GetClusterState max / mean (ms)", f"{max(lat):.1f} / {statistics.fmean(lat):.1f}", "")
+    table.add_row(
+        "CPU during the swarm (cores)",
+        f"{cpu[0]:.2f} / {sum(cpu[1:-1]):.2f} / {cpu[-1]:.2f}",
+        "controller / swarm processes / this sampler",
+    )
     Console(width=140).print(table)
     load_avg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(

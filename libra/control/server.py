@@ -102,10 +102,7 @@ def rpc_errors(method):
                 async for reply in method(self, request, context):
                     yield reply
             except Exception as e:
-                status = _status_of(e)
-                if status is None:
-                    raise
-                await context.abort(*status)
+                await context.abort(*_status_or_raise(e))
 
         return stream_wrapper
 
@@ -116,10 +113,7 @@ def rpc_errors(method):
             try:
                 return await method(self, request, context)
             except Exception as e:
-                status = _status_of(e)
-                if status is None:
-                    raise
-                await context.abort(*status)
+                await context.abort(*_status_or_raise(e))
 
         return async_wrapper
 
@@ -128,9 +122,13 @@ def rpc_errors(method):
         try:
             return method(self, request, context)
         except Exception as e:
-            status = _status_of(e)
-            if status is None:
-                raise
-            context.abort(*status)
+            context.abort(*_status_or_raise(e))
 
     return wrapper
+
+
+def _status_or_raise(error: Exception) -> tuple[grpc.StatusCode, str]:
+    status = _status_of(error)
+    if status is None:
+        raise error
+    return status

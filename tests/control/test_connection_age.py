@@ -15,11 +15,12 @@ from libra.config import BackendConfig, ControlConfig, LibraConfig
 from libra.control import EventKind
 from libra.control.auth import bearer_metadata
 from libra.control.types import AgentState
-from tests.control.helpers import HEARTBEAT_S, TOKEN
+from tests.control.helpers import TOKEN
 
 pytestmark = pytest.mark.multiprocess
 
-MAX_AGE_S = 1.5
+MAX_AGE_S = 3.0
+HEARTBEAT_S = 0.5
 
 
 @pytest.fixture

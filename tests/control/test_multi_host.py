@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
+from libra.config import BackendConfig, ControlConfig, LibraConfig
 from libra.control import WorkerRole, WorkerSpec
-from tests.control.helpers import wait_for
+from tests.control.helpers import TOKEN, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,6 +26,13 @@ dist.all_reduce(value)
 open(sys.argv[2], "w").write(f"{value.item()} {os.environ['LIBRA_VISIBLE_DEVICES']}")
 dist.destroy_process_group()
 """
+
+
+@pytest.fixture
+def config(tmp_path) -> LibraConfig:
+    # Beats a second apart: this test is about addresses, not about detecting a loss quickly.
+    control = ControlConfig(port=0, token=TOKEN, heartbeat_interval_s=1.0)
+    return LibraConfig(run_dir=str(tmp_path / "run"), control=control, backend=BackendConfig(name="cpu"))
 
 
 def _free_port(host: str) -> int:
@@ -50,8 +58,19 @@ def test_agents_on_their_own_addresses_run_one_gloo_group(client, spawn_agent, t
         client.start_worker(agent.agent_id, WorkerSpec(f"rank{rank}", WorkerRole.TRAIN, (1,), argv, master))
     for output in outputs:
         wait_for(
-            lambda o=output: o.is_file() and o.read_text(), timeout_s=120, what=f"{output.name}'s result"
+            lambda o=output: _result_or_failure(client, o), timeout_s=120, what=f"{output.name}'s result"
         )
     assert [o.read_text() for o in outputs] == ["3.0 1", "3.0 1"]
     workers = {w.spec.worker_id: w for w in client.cluster_state().workers}
     assert {workers[f"rank{r}"].agent_id for r in range(2)} == {a.agent_id for a in agents}
+
+
+def _result_or_failure(client, output) -> str:
+    if output.is_file() and output.read_text():
+        return output.read_text()
+    status = next(w for w in client.cluster_state().workers if w.spec.worker_id == output.name)
+    if status.state.ended:
+        raise AssertionError(
+            f"{output.name} ended {status.state.name}: {open(status.log_path).read()[-2000:]}"
+        )
+    return ""

@@ -10,6 +10,7 @@ with apt-get); without them, or not root, `slurm_unavailable` / `sshd_unavailabl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,6 +18,10 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
+
+from tests.control.helpers import wait_for
 
 MARKER = "LIBRA_LAUNCH_TEST"
 SSHD = "/usr/sbin/sshd"
@@ -133,14 +138,11 @@ def _stop_pid_file(path: Path, timeout_s: float = 20.0) -> None:
 
 
 def _wait(predicate, timeout_s: float, what: str, log: Path | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log and log.is_file() else ""
-    raise Unavailable(f"{what} did not come up within {timeout_s:.0f} s\n{tail}")
+    try:
+        return wait_for(predicate, timeout_s, what)
+    except AssertionError:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log and log.is_file() else ""
+        raise Unavailable(f"{what} did not come up within {timeout_s:.0f} s\n{tail}") from None
 
 
 def _run(argv: list[str], env: dict[str, str], timeout_s: float = 60.0) -> subprocess.CompletedProcess:
@@ -310,3 +312,19 @@ LogLevel VERBOSE
                 self.process.kill()
                 self.process.wait()
         return reap(self.root)
+
+
+@contextlib.contextmanager
+def started_or_skipped(daemon, unavailable: str | None, what: str):
+    """Yields `daemon` started, skipping the tests (with the reason) where it cannot run; stops it
+    after."""
+    if unavailable:
+        pytest.skip(unavailable)
+    try:
+        try:
+            daemon.start()
+        except Unavailable as e:
+            pytest.skip(f"{what} did not start: {e}")
+        yield daemon
+    finally:
+        daemon.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch.daemons import SlurmCluster, Unavailable, slurm_unavailable
+from tests.launch.daemons import SlurmCluster, slurm_unavailable, started_or_skipped
 from tests.launch.helpers import Launch, check_agent_registered, check_finished, launch, launch_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1200)]
@@ -22,18 +22,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1200)]
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    reason = slurm_unavailable()
-    if reason:
-        pytest.skip(reason)
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        try:
-            cluster.start()
-        except Unavailable as e:
-            pytest.skip(f"one-node Slurm did not start: {e}")
+    with started_or_skipped(cluster, slurm_unavailable(), "one-node Slurm"):
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import shlex
 
 import pytest
 
-from tests.launch.daemons import PrivateSshd, Unavailable, sshd_unavailable
+from tests.launch.daemons import PrivateSshd, sshd_unavailable, started_or_skipped
 from tests.launch.helpers import Launch, check_agent_registered, check_finished, launch, launch_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1200)]
@@ -25,22 +25,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1200)]
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
-    reason = sshd_unavailable()
-    if reason:
-        pytest.skip(reason)
     server = PrivateSshd(tmp_path_factory.mktemp("sshd"))
-    try:
-        try:
-            server.start()
-        except Unavailable as e:
-            pytest.skip(f"a private sshd did not start: {e}")
+    with started_or_skipped(server, sshd_unavailable(), "a private sshd"):
         probe = server.ssh("true")
         assert probe.returncode == 0, (
             f"ssh to the private sshd failed: {probe.stderr}\n{server.log.read_text()}"
         )
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
