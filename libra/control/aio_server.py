@@ -147,10 +147,14 @@ def concurrency_limit(limit: int, wait_s: float = 30.0):
             return servicer.__dict__[key]
 
         async def acquire(servicer, context, wait: bool) -> None:
+            slots = semaphore(servicer)
+            if not slots.locked():
+                await slots.acquire()  # returns at once: no timer, no task on the common path
+                return
             remaining = context.time_remaining()
             timeout = min(wait_s, remaining) if wait and remaining is not None else (wait_s if wait else 0)
             try:
-                await asyncio.wait_for(semaphore(servicer).acquire(), max(timeout, 1e-3))
+                await asyncio.wait_for(slots.acquire(), max(timeout, 1e-3))
             except TimeoutError:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
