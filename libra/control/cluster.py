@@ -56,6 +56,7 @@ class Cluster:
         self._agent_of_digest: dict[bytes, str] = {}
         self._credential_of: dict[str, str] = {}
         self._departed_at: dict[str, float] = {}
+        self._changes = 0
 
     # -- agents ---------------------------------------------------------------------------------
 
@@ -79,6 +80,7 @@ class Cluster:
                 registered_at=now,
                 last_heartbeat_at=now,
             )
+            self._changes += 1
         self.events.publish(
             EventKind.AGENT_JOINED,
             agent_id=agent_id,
@@ -103,6 +105,7 @@ class Cluster:
             if agent is None or agent.state != AgentState.ALIVE:
                 return False
             agent.last_heartbeat_at = self._clock()
+            self._changes += 1
             return True
 
     def mark_agent_gone(self, agent_id: str, state: AgentState, reason: str) -> bool:
@@ -114,6 +117,7 @@ class Cluster:
                 return False
             agent.state = state
             self._departed_at[agent_id] = self._clock()
+            self._changes += 1
             orphans = [w for w in self._workers.values() if w.agent_id == agent_id and not w.state.ended]
             for worker in orphans:
                 worker.state = WorkerState.LOST
@@ -158,6 +162,7 @@ class Cluster:
             workers = [w for w, s in self._workers.items() if s.state.ended and s.ended_at < horizon]
             for worker_id in workers:
                 del self._workers[worker_id]
+            self._changes += len(agents) + len(workers)
         return len(agents) + len(workers)
 
     def live_agent(self, agent_id: str) -> AgentStatus:
@@ -192,6 +197,7 @@ class Cluster:
                 # exit report. A new process under the same id replaces the record.
                 return
             self._workers[status.spec.worker_id] = status
+            self._changes += 1
             changed = previous is None or previous.state != status.state
         event_kind = _EVENT_OF_WORKER_STATE.get(status.state)
         if changed and event_kind is not None:
@@ -215,6 +221,12 @@ class Cluster:
         with self._lock:
             worker = self._workers.get(worker_id)
             return None if worker is None or worker.state.ended else dataclasses.replace(worker)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes whenever what `snapshot()` returns changes (a beat, a record, an event)."""
+        with self._lock:
+            return self._changes, self.events.last_sequence
 
     def snapshot(self) -> ClusterState:
         with self._lock:

@@ -156,11 +156,16 @@ class ClusterApiServicer:
         self._cluster = cluster
         self._agents = agents
         self._encoder = convert.ClusterStateEncoder()
+        self._encoded: tuple[tuple[int, int], bytes] = ((-1, -1), b"")
 
     @concurrency_limit(64)
     @rpc_errors
     async def GetClusterState(self, request, context) -> bytes:
-        return self._encoder.encode(self._cluster.snapshot())
+        # Readers far outnumber changes under load: one encoding serves every read until the next.
+        version = self._cluster.version
+        if self._encoded[0] != version:
+            self._encoded = (version, self._encoder.encode(self._cluster.snapshot()))
+        return self._encoded[1]
 
     @concurrency_limit(MAX_WATCHERS)
     @rpc_errors

@@ -224,3 +224,20 @@ def test_an_ended_record_is_kept_against_its_own_process_and_replaced_by_a_new_o
     assert cluster.running_worker("w") is None
     cluster.record_worker(dataclasses.replace(first, pid=43))  # the id started again
     assert cluster.worker("w").state == WorkerState.RUNNING and cluster.running_worker("w").pid == 43
+
+
+def test_the_version_moves_with_every_change_a_snapshot_shows(cluster, clock):
+    versions = [cluster.version]
+    agent = register(cluster)
+    versions.append(cluster.version)
+    clock.now += 0.5
+    cluster.heartbeat(agent)
+    versions.append(cluster.version)
+    cluster.events.publish(EventKind.JOB, message="progress")
+    versions.append(cluster.version)
+    cluster.record_worker(running(agent, "w"))
+    versions.append(cluster.version)
+    cluster.mark_agent_gone(agent, AgentState.LEFT, "bye")
+    versions.append(cluster.version)
+    assert len(set(versions)) == len(versions)
+    assert cluster.version == versions[-1]  # reading changes nothing
