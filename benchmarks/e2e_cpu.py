@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from libra.config import load_config  # noqa: E402
 from libra.job.recorder import read_jsonl  # noqa: E402
-from libra.job.run import load_job_config, run_job  # noqa: E402
+from libra.job.run import run_job  # noqa: E402
 
 
 def time_to_reward(steps: list[dict], target: float, window: int = 3) -> float | None:
@@ -42,8 +43,7 @@ def time_to_reward(steps: list[dict], target: float, window: int = 3) -> float |
 
 def run_mode(name: str, out: Path, overrides: list[str]) -> dict:
     run_dir = out / name
-    config, job = load_job_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *overrides])
-    run_job(config, job)
+    run_job(load_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *overrides]))
     steps = read_jsonl(run_dir / "metrics.jsonl")
     samples = read_jsonl(run_dir / "samples.jsonl")
     rollout_s = sum(s["step_time_s"] for s in steps)
@@ -68,8 +68,8 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out)
     common = [f"job.num_steps={args.steps}", "job.live_progress=false", *args.overrides]
-    _, job = load_job_config("configs/tiny_cpu.py", common)
-    homogeneous = ",".join("1" for _ in range(sum(job.tp_sizes)))
+    job = load_config("configs/tiny_cpu.py", common).job
+    homogeneous = ",".join("1" for _ in range(sum(job.rollout_tp_sizes)))
     libra = run_mode("libra", out, common)
     baseline = run_mode(
         "baseline",

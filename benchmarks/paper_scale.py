@@ -27,10 +27,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from libra.planner.config import RequestRecord  # noqa: E402
 from libra.planner.search import NoFeasiblePlan, enumerate_training, search  # noqa: E402
 from libra.planner.training_cost import TrainingCostModel  # noqa: E402
 from libra.sim import WorkloadGenerator, load_sim_config, run_comparison  # noqa: E402
-from libra.sim.loop import PREFLIGHT_GROUP_OFFSET, preflight_history, record_of, training_layout  # noqa: E402
+from libra.sim.loop import PREFLIGHT_GROUP_OFFSET, preflight_history, training_layout  # noqa: E402
 from libra.sim.pools import planning_problem  # noqa: E402
 from libra.sim.report import comparison_table, speedup_lines, write_report  # noqa: E402
 
@@ -79,7 +80,7 @@ def drifted_history(config, progress: float):
     generator = WorkloadGenerator(config.workload)
     groups = -(-config.history_size // config.workload.group_size)
     traces = [t for i in range(groups) for t in generator.group(PREFLIGHT_GROUP_OFFSET + i, progress)]
-    return tuple(record_of(t) for t in traces[: config.history_size])
+    return tuple(RequestRecord.from_trace(t) for t in traces[: config.history_size])
 
 
 def split_table(config, max_uneven_rows: int = 6) -> str:

@@ -41,14 +41,12 @@ MAX_PARTITIONS = 500
 
 
 def problem_for(num_devices: int) -> PlanningProblem:
-    from importlib.util import module_from_spec, spec_from_file_location
+    from libra.config import load_definitions
 
-    spec = spec_from_file_location("sample", "configs/planner_qwen3_14b_48xa800.py")
-    sample = module_from_spec(spec)
-    spec.loader.exec_module(sample)
+    sample = load_definitions("configs/planner_qwen3_14b_48xa800.py")
     return PlanningProblem(
         cluster=ClusterSpec(num_devices // 8, 8, A800_SXM4_80GB),
-        model=sample.QWEN3_14B,
+        model=sample["QWEN3_14B"],
         batch=TrainingBatch(global_batch=128, group_size=4, recompute="full", max_staleness=2),
         history=synthetic_history(256, seed=0, median_output_tokens=1500, sigma=0.8),
     )

@@ -66,7 +66,7 @@ from libra.rollout.engine import (  # noqa: E402
     engine_args,
     keep_only_stat_logger,
 )
-from libra.rollout.instance_server import PROFILE_ENV, freeze_startup_heap, instance_argv  # noqa: E402
+from libra.rollout.instance_server import PROFILE_ENV, InstanceSpec, freeze_startup_heap  # noqa: E402
 
 TOKEN = "benchmark-token"
 MAX_MODEL_LEN = 1024
@@ -113,7 +113,7 @@ class _LibraSide:
         env = {**os.environ, **_engine_env(), "LIBRA_TOKEN": TOKEN}
         with open(self.workdir / "instance.log", "wb") as log:
             self.process = subprocess.Popen(
-                instance_argv(_instance_config(self.model_dir), address_file),
+                InstanceSpec(_instance_config(self.model_dir), address_file=str(address_file)).to_argv(),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -120,6 +120,7 @@ def rank_main(spec: dict) -> None:
         dtype=spec["dtype"],
         lr=1e-5,
         max_staleness=10**6,
+        train_batch_size=spec["batch"],
         max_tokens_per_microbatch=spec["seq"] * spec["batch"] // (4 if pp > 1 else 1),
         overlap_grad_reduce=spec["overlap"],
     )

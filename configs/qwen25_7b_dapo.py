@@ -10,7 +10,9 @@ The DAPO numbers below (clip-higher 0.2/0.28, token-mean loss, dynamic sampling,
 prompt, lr 1e-6, temperature 1) are the DAPO paper's and verl's DAPO recipe's.
 """
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
+from libra.control.config import ControlConfig
 from libra.job.config import JobConfig
 from libra.planner.config import ModelArch
 from libra.rollout.config import AgentLoopConfig, InstanceConfig, RolloutConfig
@@ -37,7 +39,7 @@ DEVICES_PER_NODE = 8
 
 # One node trains at TP4 x DP2; the other serves two TP2 instances and one TP4.
 TRAIN_TP, TRAIN_DP = 4, 2
-ROLLOUT_TP_SIZES = "2,2,4"
+ROLLOUT_TP_SIZES = (2, 2, 4)
 # DAPO samples 16 responses a prompt; 32 prompts a step (DAPO takes 512 for its 32B model;
 # scaled down to 16 devices).
 PROMPTS_PER_STEP, GROUP_SIZE = 32, 16
@@ -46,6 +48,29 @@ PROMPTS_PER_STEP, GROUP_SIZE = 32, 16
 def config() -> LibraConfig:
     return LibraConfig(
         run_dir="runs/qwen25-7b-dapo",
+        job=JobConfig(
+            model="/models/Qwen2.5-7B-Instruct",
+            num_steps=300,
+            prompts_per_step=PROMPTS_PER_STEP,
+            group_size=GROUP_SIZE,
+            rollout_tp_sizes=ROLLOUT_TP_SIZES,
+            checkpoint_interval=20,
+            spawn_agent=False,
+            num_agents=NUM_NODES,
+            worker_start_timeout_s=1200.0,
+        ),
+        # The original's DAPO-Math buckets are TP2 at 3,000 and 6,000 remaining tokens and TP4 at
+        # 32,768 (`reference/libra-notes.md` §4); Libra maps a TP size to one bucket, so its two
+        # TP2 buckets are one here, at the larger threshold. Math tool results are small.
+        scheduler=CmlfqConfig(
+            buckets=(
+                BucketConfig("short", tp_size=2, max_remaining_tokens=6000),
+                BucketConfig("long", tp_size=4, max_remaining_tokens=32768),
+            ),
+            small_payload_max_tokens=500,
+            medium_payload_max_tokens=5000,
+            max_queue_length=8,
+        ),
         control=ControlConfig(port=0),
         backend=BackendConfig(name="cuda"),
         rollout=RolloutConfig(
@@ -82,38 +107,11 @@ def config() -> LibraConfig:
             weight_decay=0.1,  # DAPO's
             # One step of overlap, like verl's one-step-off-policy DAPO runs.
             max_staleness=1,
-            train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
             max_tokens_per_microbatch=18432,
             # DAPO takes several optimizer steps per rollout batch (mini-batches of 512 responses);
             # 512 trajectories a step here, so 4 mini-batches of 128.
             num_minibatches=4,
             dynamic_sampling=True,
             grpo=GrpoConfig(clip_low=0.2, clip_high=0.28, loss_aggregation="token_mean", temperature=1.0),
-        ),
-    )
-
-
-def job() -> JobConfig:
-    return JobConfig(
-        model="/models/Qwen2.5-7B-Instruct",
-        num_steps=300,
-        prompts_per_step=PROMPTS_PER_STEP,
-        group_size=GROUP_SIZE,
-        rollout_tp_sizes=ROLLOUT_TP_SIZES,
-        checkpoint_interval=20,
-        spawn_agent=False,
-        num_agents=NUM_NODES,
-        worker_start_timeout_s=1200.0,
-        # The original's DAPO-Math buckets are TP2 at 3,000 and 6,000 remaining tokens and TP4 at
-        # 32,768 (`reference/libra-notes.md` §4); Libra maps a TP size to one bucket, so its two
-        # TP2 buckets are one here, at the larger threshold. Math tool results are small.
-        scheduler=CmlfqConfig(
-            buckets=(
-                BucketConfig("short", tp_size=2, max_remaining_tokens=6000),
-                BucketConfig("long", tp_size=4, max_remaining_tokens=32768),
-            ),
-            small_payload_max_tokens=500,
-            medium_payload_max_tokens=5000,
-            max_queue_length=8,
         ),
     )

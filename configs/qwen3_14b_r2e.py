@@ -10,7 +10,9 @@ model's last code block in the sandbox. The original's R2E workflow gives the mo
 validator tool; Libra has none, so the model gets the sandboxed Python interpreter instead.
 """
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
+from libra.control.config import ControlConfig
 from libra.job.config import JobConfig
 from libra.planner.config import QWEN3_14B, PlannerConfig, TriggerPolicy
 from libra.rollout.config import AgentLoopConfig, InstanceConfig, RolloutConfig
@@ -29,7 +31,7 @@ DEVICES_PER_NODE = 8
 # The original's 48-GPU layout: 4 nodes train at Megatron TP8 x DP4; each of the 2 rollout nodes
 # holds TP1, TP1, TP2 and TP4 instances.
 TRAIN_TP, TRAIN_DP = 8, 4
-ROLLOUT_TP_SIZES = "1,1,2,4,1,1,2,4"
+ROLLOUT_TP_SIZES = (1, 1, 2, 4, 1, 1, 2, 4)
 # 128 trajectories a step in groups of 4, staleness 2: configs/planner_qwen3_14b_48xa800.py and
 # configs/sim_r2e_48xa800.py (the same setting).
 PROMPTS_PER_STEP, GROUP_SIZE = 32, 4
@@ -40,6 +42,29 @@ TEMPERATURE = 0.8
 def config() -> LibraConfig:
     return LibraConfig(
         run_dir="runs/qwen3-14b-r2e",
+        job=JobConfig(
+            model="/models/Qwen3-14B",
+            num_steps=100,  # the original's R2E runs
+            prompts_per_step=PROMPTS_PER_STEP,
+            group_size=GROUP_SIZE,
+            rollout_tp_sizes=ROLLOUT_TP_SIZES,
+            checkpoint_interval=10,
+            spawn_agent=False,
+            num_agents=NUM_NODES,
+            # Loading 14B weights from a shared filesystem takes minutes.
+            worker_start_timeout_s=1800.0,
+        ),
+        # The original's 48-GPU R2E buckets and payload classes (`reference/libra-notes.md` §4).
+        scheduler=CmlfqConfig(
+            buckets=(
+                BucketConfig("short", tp_size=1, max_remaining_tokens=4000),
+                BucketConfig("medium", tp_size=2, max_remaining_tokens=12000),
+                BucketConfig("long", tp_size=4, max_remaining_tokens=30000),
+            ),
+            small_payload_max_tokens=1000,
+            medium_payload_max_tokens=12000,
+            max_queue_length=3,
+        ),
         control=ControlConfig(port=0),
         backend=BackendConfig(name="cuda"),
         # The original re-plans every 5 steps in its 48-GPU experiment.
@@ -76,37 +101,10 @@ def config() -> LibraConfig:
             recompute="full",
             lr=1e-6,  # the original's R2E learning rate
             max_staleness=2,
-            train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
             # One full 32K trajectory per micro-batch per rank.
             max_tokens_per_microbatch=32768,
             num_minibatches=1,
             # DAPO's clip-higher; token-mean aggregation (DAPO, and verl's default).
             grpo=GrpoConfig(clip_low=0.2, clip_high=0.28, temperature=TEMPERATURE),
-        ),
-    )
-
-
-def job() -> JobConfig:
-    return JobConfig(
-        model="/models/Qwen3-14B",
-        num_steps=100,  # the original's R2E runs
-        prompts_per_step=PROMPTS_PER_STEP,
-        group_size=GROUP_SIZE,
-        rollout_tp_sizes=ROLLOUT_TP_SIZES,
-        checkpoint_interval=10,
-        spawn_agent=False,
-        num_agents=NUM_NODES,
-        # Loading 14B weights from a shared filesystem takes minutes.
-        worker_start_timeout_s=1800.0,
-        # The original's 48-GPU R2E buckets and payload classes (`reference/libra-notes.md` §4).
-        scheduler=CmlfqConfig(
-            buckets=(
-                BucketConfig("short", tp_size=1, max_remaining_tokens=4000),
-                BucketConfig("medium", tp_size=2, max_remaining_tokens=12000),
-                BucketConfig("long", tp_size=4, max_remaining_tokens=30000),
-            ),
-            small_payload_max_tokens=1000,
-            medium_payload_max_tokens=12000,
-            max_queue_length=3,
         ),
     )

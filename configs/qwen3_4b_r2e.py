@@ -9,7 +9,9 @@ No issue-validator tool exists in Libra: the model gets the sandboxed Python int
 reward runs each task's tests after the model's last code block.
 """
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
+from libra.control.config import ControlConfig
 from libra.job.config import JobConfig
 from libra.planner.config import ModelArch, PlannerConfig, TriggerPolicy
 from libra.rollout.config import AgentLoopConfig, InstanceConfig, RolloutConfig
@@ -38,7 +40,7 @@ DEVICES_PER_NODE = 8
 # throughput); the other serves rollouts: four TP1 instances for the many short trajectories, two
 # TP2 for the long tail (a 4B model gains too little from TP4 to give it half a node).
 TRAIN_TP, TRAIN_DP = 2, 4
-ROLLOUT_TP_SIZES = "1,1,1,1,2,2"
+ROLLOUT_TP_SIZES = (1, 1, 1, 1, 2, 2)
 # 128 trajectories a step like the 14B setting, in groups of 8: a smaller model solves fewer
 # issues, and larger groups keep groups with some reward variance.
 PROMPTS_PER_STEP, GROUP_SIZE = 16, 8
@@ -48,6 +50,28 @@ TEMPERATURE = 0.8
 def config() -> LibraConfig:
     return LibraConfig(
         run_dir="runs/qwen3-4b-r2e",
+        job=JobConfig(
+            model="/models/Qwen3-4B",
+            num_steps=100,
+            prompts_per_step=PROMPTS_PER_STEP,
+            group_size=GROUP_SIZE,
+            rollout_tp_sizes=ROLLOUT_TP_SIZES,
+            checkpoint_interval=10,
+            spawn_agent=False,
+            num_agents=NUM_NODES,
+            worker_start_timeout_s=1200.0,
+        ),
+        # The original's R2E thresholds with its medium and long buckets merged into TP2 (the
+        # largest TP size here); payload classes as in the 14B setting.
+        scheduler=CmlfqConfig(
+            buckets=(
+                BucketConfig("short", tp_size=1, max_remaining_tokens=4000),
+                BucketConfig("long", tp_size=2, max_remaining_tokens=30000),
+            ),
+            small_payload_max_tokens=1000,
+            medium_payload_max_tokens=12000,
+            max_queue_length=3,
+        ),
         control=ControlConfig(port=0),
         backend=BackendConfig(name="cuda"),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
@@ -80,33 +104,7 @@ def config() -> LibraConfig:
             recompute="full",
             lr=1e-6,
             max_staleness=2,
-            train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
             max_tokens_per_microbatch=32768,
             grpo=GrpoConfig(clip_low=0.2, clip_high=0.28, temperature=TEMPERATURE),
-        ),
-    )
-
-
-def job() -> JobConfig:
-    return JobConfig(
-        model="/models/Qwen3-4B",
-        num_steps=100,
-        prompts_per_step=PROMPTS_PER_STEP,
-        group_size=GROUP_SIZE,
-        rollout_tp_sizes=ROLLOUT_TP_SIZES,
-        checkpoint_interval=10,
-        spawn_agent=False,
-        num_agents=NUM_NODES,
-        worker_start_timeout_s=1200.0,
-        # The original's R2E thresholds with its medium and long buckets merged into TP2 (the
-        # largest TP size here); payload classes as in the 14B setting.
-        scheduler=CmlfqConfig(
-            buckets=(
-                BucketConfig("short", tp_size=1, max_remaining_tokens=4000),
-                BucketConfig("long", tp_size=2, max_remaining_tokens=30000),
-            ),
-            small_payload_max_tokens=1000,
-            medium_payload_max_tokens=12000,
-            max_queue_length=3,
         ),
     )

@@ -14,7 +14,9 @@ controller's memory: give it a collection that fits there, or serve a full dump 
 server registered as a custom tool (`tools.custom`, an HTTP or gRPC endpoint).
 """
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
+from libra.control.config import ControlConfig
 from libra.job.config import JobConfig
 from libra.planner.config import QWEN3_14B, PlannerConfig, TriggerPolicy
 from libra.rollout.config import AgentLoopConfig, InstanceConfig, RolloutConfig
@@ -31,7 +33,7 @@ DEVICES_PER_NODE = 8
 
 # 4 nodes train at TP8 x DP4, 2 nodes serve TP2, TP2, TP4 and TP8 instances (the original's layout).
 TRAIN_TP, TRAIN_DP = 8, 4
-ROLLOUT_TP_SIZES = "2,2,4,8"
+ROLLOUT_TP_SIZES = (2, 2, 4, 8)
 # 256 trajectories a step in groups of 8, staleness 2 (configs/sim_search_r1_48xh200.py).
 PROMPTS_PER_STEP, GROUP_SIZE = 32, 8
 
@@ -39,6 +41,28 @@ PROMPTS_PER_STEP, GROUP_SIZE = 32, 8
 def config() -> LibraConfig:
     return LibraConfig(
         run_dir="runs/search-r1",
+        job=JobConfig(
+            model="/models/Qwen3-14B",
+            num_steps=100,
+            prompts_per_step=PROMPTS_PER_STEP,
+            group_size=GROUP_SIZE,
+            rollout_tp_sizes=ROLLOUT_TP_SIZES,
+            checkpoint_interval=10,
+            spawn_agent=False,
+            num_agents=NUM_NODES,
+            worker_start_timeout_s=1800.0,
+        ),
+        # The original's Search-R1 buckets; retrieved passages are small payloads.
+        scheduler=CmlfqConfig(
+            buckets=(
+                BucketConfig("short", tp_size=2, max_remaining_tokens=5000),
+                BucketConfig("medium", tp_size=4, max_remaining_tokens=15000),
+                BucketConfig("long", tp_size=8, max_remaining_tokens=40960),
+            ),
+            small_payload_max_tokens=500,
+            medium_payload_max_tokens=5000,
+            max_queue_length=3,
+        ),
         control=ControlConfig(port=0),
         backend=BackendConfig(name="cuda"),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
@@ -76,33 +100,7 @@ def config() -> LibraConfig:
             recompute="full",
             lr=1e-6,  # Search-R1's and the original's
             max_staleness=2,
-            train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
             max_tokens_per_microbatch=40960,
             grpo=GrpoConfig(clip_low=0.2, clip_high=0.28, temperature=1.0),
-        ),
-    )
-
-
-def job() -> JobConfig:
-    return JobConfig(
-        model="/models/Qwen3-14B",
-        num_steps=100,
-        prompts_per_step=PROMPTS_PER_STEP,
-        group_size=GROUP_SIZE,
-        rollout_tp_sizes=ROLLOUT_TP_SIZES,
-        checkpoint_interval=10,
-        spawn_agent=False,
-        num_agents=NUM_NODES,
-        worker_start_timeout_s=1800.0,
-        # The original's Search-R1 buckets; retrieved passages are small payloads.
-        scheduler=CmlfqConfig(
-            buckets=(
-                BucketConfig("short", tp_size=2, max_remaining_tokens=5000),
-                BucketConfig("medium", tp_size=4, max_remaining_tokens=15000),
-                BucketConfig("long", tp_size=8, max_remaining_tokens=40960),
-            ),
-            small_payload_max_tokens=500,
-            medium_payload_max_tokens=5000,
-            max_queue_length=3,
         ),
     )

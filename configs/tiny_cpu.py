@@ -7,19 +7,29 @@ moves the TP-1 slot to an elastic hybrid training replica, by its cost model and
 steps), a held-out evaluation before the first step and after the last. About 10 minutes on a
 2-core machine (about 9 GB of memory); `job.num_steps=3` for a short run."""
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
+from libra.control.config import ControlConfig
 from libra.job.config import JobConfig
 from libra.planner.config import PlannerConfig, SearchConfig
 from libra.rollout.config import AgentLoopConfig, InstanceConfig, RolloutConfig
+from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.training.config import GrpoConfig, TrainingConfig
-
-PROMPTS_PER_STEP = 8
-GROUP_SIZE = 8
 
 
 def config() -> LibraConfig:
     return LibraConfig(
         run_dir="runs/tiny-cpu",
+        # 64 trajectories a step (the train batch, `training.train_batch_size`, is derived from it).
+        job=JobConfig(num_steps=30, prompts_per_step=8, group_size=8, rollout_tp_sizes=(2, 1)),
+        # Remaining-token thresholds in the tiny policy's scale (turns of ~30-130 tokens).
+        scheduler=CmlfqConfig(
+            buckets=(
+                BucketConfig("short", tp_size=1, max_remaining_tokens=256),
+                BucketConfig("long", tp_size=2, max_remaining_tokens=4096),
+            ),
+            max_queue_length=16,
+        ),
         # Beats every 5 s (lost after 15 s of silence): a 2-core machine under a full job can starve
         # the agent for seconds.
         control=ControlConfig(port=0, heartbeat_interval_s=5.0),
@@ -41,16 +51,9 @@ def config() -> LibraConfig:
             lr=2e-4,
             num_minibatches=4,
             max_staleness=1,
-            train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
             max_tokens_per_microbatch=8192,
             grpo=GrpoConfig(clip_low=0.2, clip_high=0.28),
         ),
         # Device by device below the node (the train rank is one slot), over the buckets' TP sizes.
         planner=PlannerConfig(search=SearchConfig(rollout_tp_sizes=(1, 2), split_granularity=1)),
-    )
-
-
-def job() -> JobConfig:
-    return JobConfig(
-        num_steps=30, prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE, rollout_tp_sizes="2,1"
     )

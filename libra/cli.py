@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from libra.config import LibraConfig, load_config
+from libra.config import LibraConfig, load_config, load_from_file
 from libra.logs import LOG_DIR_ENV, configure_logging
 
 logger = logging.getLogger("libra")
@@ -102,9 +102,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from libra.planner import NoFeasiblePlan, load_problem, search
+    from libra.planner import NoFeasiblePlan, PlanningProblem, search
 
-    problem = load_problem(args.planner_config)
+    problem = load_from_file(args.planner_config, "planning_problem", PlanningProblem)
     try:
         plan = search(problem)
     except NoFeasiblePlan as e:
@@ -135,15 +135,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from libra.job import load_job_config, run_job
+    from libra.job.run import run_job
 
-    config, job = load_job_config(args.job_config, args.overrides)
+    config = load_config(args.job_config, args.overrides)
     if args.resume:
         config = dataclasses.replace(config, run_dir=args.resume)
     # The job's own log and those of every worker it starts, as JSON lines in the run folder.
     os.environ.setdefault(LOG_DIR_ENV, str(Path(config.run_dir).resolve() / "logs"))
     configure_logging("job", args.verbose)
-    run_job(config, job, resume=bool(args.resume))
+    run_job(config, resume=bool(args.resume))
     return 0
 
 
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("run", help="run an RL job from a config file (configs/tiny_cpu.py ...)")
-    p.add_argument("job_config", metavar="CONFIG", help="Python config file defining config() and job()")
+    p.add_argument("job_config", metavar="CONFIG", help="Python config file defining config() -> LibraConfig")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.add_argument("overrides", nargs="*", metavar="section.field=value")
     p.set_defaults(func=cmd_run)
@@ -256,8 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - gRPC errors reach the user as one readable line
         import grpc
 
+        from libra.job.loop import TrainingLost
+
         if isinstance(e, grpc.RpcError):
             print(f"libra {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        if isinstance(e, TrainingLost):
+            print(f"libra {args.command}: {e}", file=sys.stderr)
             return 1
         raise
 

@@ -3,8 +3,8 @@
 # BACKEND=ascend; BACKEND=cpu runs it on CPU slots, as tests/launch does): the backend plugin sets each
 # worker's environment (visible devices, NCCL/HCCL).
 # The controller runs on this (the first) host and one node agent per host, started with Slurm `srun` inside
-# an allocation, or over ssh for the hosts in LIBRA_HOSTS. Each agent loads CONFIG and the non-`job.`
-# overrides too (its backend and control sections: slots, heartbeat, TLS). RUN_DIR must be on a filesystem
+# an allocation, or over ssh for the hosts in LIBRA_HOSTS. Each agent loads CONFIG and the overrides too
+# (it reads its backend and control sections: slots, heartbeat, TLS). RUN_DIR must be on a filesystem
 # every host sees (the token, the controller address and the workers' address files live there), and
 # this checkout at the same path on every host.
 #   bash scripts/launch_cuda.sh CONFIG RUN_DIR [section.field=value ...]
@@ -53,7 +53,7 @@ for _ in $(seq 600); do [ -s "$run_dir/controller.addr" ] && break; sleep 0.2; d
 [ -s "$run_dir/controller.addr" ] || { tail -50 "$run_dir/logs/controller.log"; exit 1; }
 address="$(cat "$run_dir/controller.addr")"
 agent_overrides=""
-for o in "$@"; do [[ "${o#--}" == job.* ]] || agent_overrides+=" $(q "$o")"; done
+for o in "$@"; do agent_overrides+=" $(q "$o")"; done
 agent_cmd="source $(q "$root/.venv/bin/activate") && cd $(q "$root") || exit 1; \
 ip=$(q "${LIBRA_AGENT_IP:-}"); [ -n \"\$ip\" ] || { $find_ip; }; LIBRA_TOKEN=\$(cat $(q "$run_dir/token")) \
 exec libra agent --config $(q "$config") --controller $(q "$address") \

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from libra.config import ControlConfig, LibraConfig, apply_override, load_config
+from libra.config import LibraConfig, apply_override, load_config, load_from_file
+from libra.control.config import ControlConfig
 
 
 def test_overrides_parse_types_and_revalidate():
@@ -30,11 +31,19 @@ def test_overrides_parse_types_and_revalidate():
         ("control.heartbeat_interval_s=-1", "control.heartbeat_interval_s"),
         ("control.port", "section.field=value"),
         ("run_dir.x=1", "not a section"),
+        ("job.rollout_tp_sizes=1,x", "'job.rollout_tp_sizes': cannot read 'x' as int"),
+        ("scheduler.buckets=short", "'scheduler.buckets' has no command-line form"),
     ],
 )
 def test_bad_overrides_name_the_option(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         apply_override(LibraConfig(), override)
+
+
+def test_sequences_parse_comma_separated():
+    cfg = apply_override(LibraConfig(), "job.rollout_tp_sizes=1, 2,4")
+    cfg = apply_override(cfg, "tools.enabled=python,calculator")
+    assert cfg.job.rollout_tp_sizes == (1, 2, 4) and cfg.tools.enabled == ["python", "calculator"]
 
 
 def test_tls_files_come_in_pairs():
@@ -45,7 +54,7 @@ def test_tls_files_come_in_pairs():
 def test_config_file_must_define_config(tmp_path):
     good = tmp_path / "good.py"
     good.write_text(
-        "from libra.config import LibraConfig, ControlConfig\n"
+        "from libra.config import LibraConfig\nfrom libra.control.config import ControlConfig\n"
         "def config():\n    return LibraConfig(control=ControlConfig(port=1234))\n"
     )
     assert load_config(good, ["control.heartbeat_interval_s=0.5"]).control.port == 1234
@@ -55,6 +64,12 @@ def test_config_file_must_define_config(tmp_path):
         load_config(bad)
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "missing.py")
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("def config():\n    return 1\n")
+    with pytest.raises(ValueError, match="config\\(\\) in .* returned int, expected LibraConfig"):
+        load_config(wrong)
+    with pytest.raises(ValueError, match="must define a function `sim_config\\(\\) -> LibraConfig`"):
+        load_from_file(good, "sim_config", LibraConfig)
 
 
 def test_sampling_and_scoring_temperatures_must_agree():
@@ -64,3 +79,18 @@ def test_sampling_and_scoring_temperatures_must_agree():
     assert cfg.training.grpo.temperature == cfg.rollout.agent.temperature == 0.6
     # Greedy rollouts (evaluation) score at any temperature.
     assert load_config(None, ["rollout.agent.temperature=0"]).training.grpo.temperature == 1.0
+
+
+def test_fields_that_go_together_can_be_overridden_together():
+    config = load_config(
+        None, ["control.tls_cert_file=/c.pem", "control.tls_key_file=/k.pem", "control.port=0"]
+    )
+    assert (config.control.tls_cert_file, config.control.tls_key_file, config.control.port) == (
+        "/c.pem",
+        "/k.pem",
+        0,
+    )
+    with pytest.raises(
+        ValueError, match="control.tls_cert_file and control.tls_key_file must be set together"
+    ):
+        load_config(None, ["control.tls_cert_file=/c.pem"])

@@ -21,8 +21,8 @@ import grpc
 from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from libra.config import ControlConfig
 from libra.control.auth import AioAuthInterceptor, Authorizer, token_authorizer
+from libra.control.config import ControlConfig
 from libra.control.server import bind, enable_reflection
 
 _SERVER_OPTIONS = [

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from libra.config import ControlConfig
+from libra.control.config import ControlConfig
 
 TOKEN_ENV = "LIBRA_TOKEN"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"

@@ -7,9 +7,9 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
-from libra.config import ControlConfig
 from libra.control import convert
 from libra.control.auth import open_channel
+from libra.control.config import ControlConfig
 from libra.control.types import ClusterState, Event, EventKind, WorkerSpec, WorkerStatus
 from libra.v1 import controller_pb2, controller_pb2_grpc
 

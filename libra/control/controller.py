@@ -3,8 +3,10 @@
 Node agents register and keep a heartbeat stream open; a monitor thread marks an agent lost after
 three silent intervals (a broken stream marks it lost at once). Users' orchestration reads the
 cluster state, watches events and starts/stops workers; worker control is forwarded to the agent
-that owns the devices. Later components (RL loop, planner, scheduler) sit beside this and use the
-same `Cluster` and `EventBus`.
+that owns the devices. Components above the control plane sit beside this and use the same
+`Cluster` and `EventBus`; whoever starts the controller may serve their services on its port
+(`Controller.start(services=...)`: the job adds the planner's `PlannerService`). This module
+imports nothing above the control plane, and no torch (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,14 +40,12 @@ from libra.control.auth import (
 from libra.control.cluster import MISSED_BEATS_BEFORE_LOST, Cluster
 from libra.control.events import EventBus
 from libra.control.server import rpc_errors
-from libra.control.types import AgentState, EventKind
-from libra.planner.config import PlanningProblem
-from libra.planner.planner import Planner, PlannerEvent
-from libra.planner.service import add_planner_service
+from libra.control.types import AgentState
 from libra.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
 
 if TYPE_CHECKING:
-    from libra.config import ControlConfig, LibraConfig
+    from libra.config import LibraConfig
+    from libra.control.config import ControlConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ MAX_WATCHERS = 1024
 MAX_WATCH_BACKLOG = 4096
 """Events a watcher may leave unread before its stream ends with RESOURCE_EXHAUSTED. Less than the
 bus's history (10,000), so that it can resume where it stopped without a gap."""
+
+ServiceAdder = Callable[[grpc.aio.Server], Iterable[str]]
+"""Registers servicers on the controller's server and returns their full names (for health and
+reflection); e.g. `libra.planner.service.add_planner_service`."""
 
 
 def controller_authorizer(token: str, cluster: Cluster) -> Authorizer:
@@ -250,31 +255,18 @@ class AgentClients:
             await channel.close()
 
 
-_EVENT_OF_PLANNER_EVENT = {
-    "applied": EventKind.PLAN_APPLIED,
-    "proposed": EventKind.PLAN_PROPOSED,
-    "rejected": EventKind.PLAN_REJECTED,
-    "vetoed": EventKind.PLAN_VETOED,
-}
-
-
 class Controller:
     """Runs the controller's gRPC server (on its own asyncio loop thread) and its liveness monitor
-    until `stop()`. With a planning problem it also owns the global planner, serves
-    `PlannerService` and publishes plan events."""
+    until `stop()`. It serves `AgentRegistry` and `ClusterApi`, plus the services given to `start`
+    (the job's planner: `libra.planner.service.serve_planner`, whose plan decisions it publishes on
+    `events`)."""
 
-    def __init__(
-        self, config: LibraConfig, token: str | None = None, planning_problem: PlanningProblem | None = None
-    ):
+    def __init__(self, config: LibraConfig, token: str | None = None):
         self.config = config
         self.token = token or resolve_token(config.control, Path(config.run_dir), create=True)
         self.events = EventBus()
         self.cluster = Cluster(
             config.control.heartbeat_interval_s, self.events, record_ttl_s=config.control.record_ttl_s
-        )
-        self._planning_problem = planning_problem
-        self.planner = (
-            Planner(planning_problem, on_event=self._publish_planner_event) if planning_problem else None
         )
         self._stopping = threading.Event()
         self._agents = AgentClients(self.cluster, config.control)
@@ -291,7 +283,10 @@ class Controller:
     def address(self) -> str:
         return f"{self.config.control.host}:{self.port}"
 
-    def start(self) -> Controller:
+    def start(self, services: Sequence[ServiceAdder] = ()) -> Controller:
+        """Serves the control plane's services and `services` (each registers its own servicers),
+        then watches liveness."""
+
         def add_servicers(server: grpc.aio.Server) -> list[str]:
             names = [
                 add_service(
@@ -308,9 +303,8 @@ class Controller:
                     encoded_replies=["GetClusterState"],
                 ),
             ]
-            if self.planner is not None:
-                devices_per_node = self._planning_problem.cluster.devices_per_node
-                names += add_planner_service(self.planner, devices_per_node)(server)
+            for add in services:
+                names += add(server)
             return names
 
         running = self._server.start(
@@ -320,18 +314,13 @@ class Controller:
                 add_servicers,
                 max_message_bytes=4 << 20,
                 max_reply_bytes=256 << 20,  # the state of thousands of agents and workers
-                sync_handler_threads=4,  # the planner's servicer, whose searches are CPU work
+                sync_handler_threads=4,  # added servicers, e.g. the planner's: its searches are CPU work
             )
         )
         self._port = running.port
         self._monitor.start()
         logger.info("controller listening on %s", self.address)
         return self
-
-    def _publish_planner_event(self, event: PlannerEvent) -> None:
-        self.events.publish(
-            _EVENT_OF_PLANNER_EVENT[event.kind], plan_version=event.version, message=event.message
-        )
 
     def _watch_liveness(self) -> None:
         # Checking at a third of the interval detects a silent agent within 3⅓ intervals at most.

@@ -1,9 +1,10 @@
 """Tying a process's life to its parent's (Linux): a process that would be left alone when the
 one that started it dies asks the kernel for a signal then.
 
-The node agent's own workers get the same through a one-line exec wrapper instead
-(`supervisor._EXEC_WITH_PARENT_DEATH_SIGNAL`): it must run before the worker's interpreter, in a
-child forked from a multi-threaded gRPC process, where no Python hook may run.
+For a process that calls it itself, early (a hybrid replica's TP ranks). What a multi-threaded
+gRPC process starts (the agent's workers, the job's agent and sandbox workers) runs under a guard
+instead (`worker_guard.py`): no Python hook may run between fork and exec there, and the guard
+also takes down whatever the child spawned.
 """
 
 from __future__ import annotations

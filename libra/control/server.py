@@ -13,8 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from libra.config import ControlConfig
 from libra.control.auth import TokenAuthInterceptor, server_credentials
+from libra.control.config import ControlConfig
 from libra.control.convert import InvalidArgument
 
 

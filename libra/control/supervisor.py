@@ -1,9 +1,11 @@
 """Worker processes of one node agent: spawn on given devices, reap, stop, report.
 
-Each worker runs in its own process group (so stopping it also stops whatever it spawned), with
-the backend's visible-devices environment for exactly its devices, stdout/stderr to a log file.
-A thread per worker spawns it, waits for the exit and calls `on_change`, which the agent forwards to
-the controller.
+Each worker runs under its guard (`worker_guard.py`), which leads a new session and process group
+(so stopping it also stops whatever it spawned) and, when the worker ends or the agent dies,
+kills the worker's whole tree and removes the /dev/shm files it leaked. The worker gets the
+backend's visible-devices environment for exactly its devices, stdout/stderr to a log file. A
+thread per worker spawns it, waits for the exit and calls `on_change`, which the agent forwards to
+the controller. The pid reported is the guard's, which is also the process group's id.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from libra.backends.base import Backend
 from libra.control.auth import TOKEN_ENV
 from libra.control.convert import InvalidArgument
 from libra.control.types import WorkerSpec, WorkerState, WorkerStatus
+from libra.control.worker_guard import KILL_TIMEOUT_S, KILL_TREE_SIGNAL, guarded
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +100,13 @@ class WorkerSupervisor:
         return {d for w in self._workers.values() if not w.status.state.ended for d in w.status.spec.devices}
 
     def _run(self, spec: WorkerSpec, env: dict[str, str], log_path: Path, spawned: futures.Future) -> None:
-        """Spawns the worker and waits for it, in a thread that lives exactly as long as the
-        worker: the kernel's parent-death signal is tied to the spawning thread, so a worker is
+        """Spawns the worker's guard and waits for it, in a thread that lives exactly as long as
+        the guard: the kernel's parent-death signal is tied to the spawning thread, so a worker is
         killed when its agent dies (its work has been handed back by then) but not before."""
         try:
             with open(log_path, "ab") as log:
-                wrapper = [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid())]
                 process = subprocess.Popen(
-                    [*wrapper, *spec.argv],
+                    guarded(spec.argv),
                     env=env,
                     cwd=spec.cwd or None,
                     stdin=subprocess.DEVNULL,
@@ -118,8 +119,8 @@ class WorkerSupervisor:
             return
         spawned.set_result(process)
         returncode = process.wait()
-        # The worker's devices count as free once it ended: what it left in its process group
-        # (children of a crashed worker) must not keep running on them.
+        # The worker's devices count as free once it ended. Its guard killed what the worker left,
+        # unless the guard itself was SIGKILLed: then the rest of its group must not keep running.
         _signal_group(process, signal.SIGKILL)
         with self._lock:  # start() holds the lock until it has recorded the worker
             worker = self._workers[spec.worker_id]
@@ -131,7 +132,9 @@ class WorkerSupervisor:
         self._on_change(status)
 
     def stop(self, worker_id: str, grace_s: float = 0.0) -> WorkerStatus:
-        """SIGTERM to the worker's process group, SIGKILL after `grace_s`; returns once it ended."""
+        """SIGTERM to the worker's process group; after `grace_s` its guard SIGKILLs the worker's
+        whole tree (the group alone would miss what left it with setsid()), and the group is
+        SIGKILLed should the guard not end. Returns once it ended."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is None:
@@ -144,8 +147,12 @@ class WorkerSupervisor:
         try:
             worker.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            _signal_group(worker.process, signal.SIGKILL)
-            worker.process.wait()
+            worker.process.send_signal(KILL_TREE_SIGNAL)
+            try:
+                worker.process.wait(timeout=KILL_TIMEOUT_S + 5.0)
+            except subprocess.TimeoutExpired:
+                _signal_group(worker.process, signal.SIGKILL)
+                worker.process.wait()
         # The reaper records the final state; wait for it so the caller sees STOPPED.
         deadline = time.monotonic() + 5.0
         while not worker.status.state.ended and time.monotonic() < deadline:
@@ -164,19 +171,6 @@ class WorkerSupervisor:
     def stop_all(self, grace_s: float = 2.0) -> None:
         for worker_id in self.running_ids():
             self.stop(worker_id, grace_s)
-
-
-# Runs first in every worker process, then execs the worker's command. It sets the kernel's
-# parent-death signal (PR_SET_PDEATHSIG = 1) there rather than in a `preexec_fn`: a Python hook
-# between fork and exec makes subprocess use fork(), whose child runs gRPC's fork handlers in
-# this multi-threaded agent and can abort. The pid check closes the race with an agent that died
-# before the signal was armed.
-_EXEC_WITH_PARENT_DEATH_SIGNAL = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
-    "os.getppid() == int(sys.argv[1]) or os._exit(137); "
-    "os.execvp(sys.argv[2], sys.argv[2:])"
-)
 
 
 def _inherited_environment() -> dict[str, str]:

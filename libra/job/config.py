@@ -1,30 +1,21 @@
 """Config of the RL job: the `job` section of `LibraConfig`.
 
-The rollout instances and the agent loop are configured by the root `rollout` section. Until
-`LibraConfig` has a section for the scheduler, the job carries the C-MLFQ buckets here
-(`job.scheduler`). By default the job trains the warm-started tiny policy on its recipe's
-procedural tasks (`libra.tasks.warm_start`); with `tasks.dataset_path` (and `job.model`, an HF
-model folder) it trains on a dataset's records.
+The rollout instances and the agent loop are configured by the root `rollout` section, the C-MLFQ
+buckets by the root `scheduler` section. By default the job trains the warm-started tiny policy on
+its recipe's procedural tasks (`libra.tasks.warm_start`); with `tasks.dataset_path` (and
+`job.model`, an HF model folder) it trains on a dataset's records.
+
+A config-only module: the root config composes it, so it sits below the root in docs/layers.md
+(`job.config`), though the job that reads it sits on top, and imports nothing of the job.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.factory import RouterKind
 
-ROUTERS = ("cmlfq", "least_load", "round_robin")
-
-
-def _tiny_buckets() -> CmlfqConfig:
-    # Remaining-token thresholds in the tiny policy's scale (turns of ~30-130 tokens).
-    return CmlfqConfig(
-        buckets=(
-            BucketConfig("short", tp_size=1, max_remaining_tokens=256),
-            BucketConfig("long", tp_size=2, max_remaining_tokens=4096),
-        ),
-        max_queue_length=16,
-    )
+ROUTERS = tuple(k.value for k in (RouterKind.CMLFQ, RouterKind.LEAST_LOAD, RouterKind.ROUND_ROBIN))
 
 
 @dataclass
@@ -37,12 +28,13 @@ class JobConfig:
     num_steps: int = 30
     """Train steps (policy versions) to run."""
     prompts_per_step: int = 8
-    """Prompts per train step; each yields `group_size` trajectories."""
+    """Prompts per train step; each yields `group_size` trajectories. The train batch
+    (`training.train_batch_size`) is derived: `prompts_per_step x group_size` trajectories."""
     group_size: int = 8
     """Trajectories per prompt (the GRPO group)."""
-    rollout_tp_sizes: str = "1,1"
-    """TP size of each rollout instance, comma-separated (e.g. `1,1,2`). Each TP size must have a
-    bucket in `scheduler.buckets`."""
+    rollout_tp_sizes: tuple[int, ...] = (1, 1)
+    """TP size of each rollout instance (on the command line comma-separated:
+    `job.rollout_tp_sizes=1,1,2`). Each TP size must have a bucket in the root `scheduler.buckets`."""
     router: str = "cmlfq"
     """Routing policy: `cmlfq` (C-MLFQ over TP buckets), or the baselines `least_load`,
     `round_robin`."""
@@ -75,7 +67,6 @@ class JobConfig:
     split; dataset tasks have no held-out split yet. 0: off."""
     eval_samples: int = 4
     """Trajectories per held-out task."""
-    scheduler: CmlfqConfig = field(default_factory=_tiny_buckets)
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "prompts_per_step", "group_size", "num_agents", "keep_weight_versions"):
@@ -99,28 +90,16 @@ class JobConfig:
             raise ValueError(f"job.metrics_port must be -1 (off) or a port 0..65535, got {self.metrics_port}")
         if self.worker_start_timeout_s <= 0:
             raise ValueError(f"job.worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
-        tp_sizes = self.tp_sizes  # parses
-        known = {b.tp_size for b in self.scheduler.buckets}
-        missing = sorted(set(tp_sizes) - known)
-        if missing:
-            raise ValueError(
-                f"job.rollout_tp_sizes has TP sizes {missing} without a bucket; "
-                f"job.scheduler.buckets have TP sizes {sorted(known)}"
-            )
-
-    @property
-    def tp_sizes(self) -> list[int]:
-        try:
-            sizes = [int(s) for s in self.rollout_tp_sizes.split(",") if s.strip()]
-        except ValueError:
-            raise ValueError(
-                f"job.rollout_tp_sizes must be comma-separated integers, got {self.rollout_tp_sizes!r}"
-            ) from None
-        if not sizes or any(s < 1 for s in sizes):
-            raise ValueError(f"job.rollout_tp_sizes must list TP sizes >= 1, got {self.rollout_tp_sizes!r}")
-        return sizes
+        sizes = self.rollout_tp_sizes
+        if not isinstance(sizes, tuple | list) or not sizes or not all(_is_tp_size(s) for s in sizes):
+            raise ValueError(f"job.rollout_tp_sizes must be a tuple of TP sizes >= 1, got {sizes!r}")
+        self.rollout_tp_sizes = tuple(sizes)
 
     @property
     def batch_size(self) -> int:
         """Trajectories per train step."""
         return self.prompts_per_step * self.group_size
+
+
+def _is_tp_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

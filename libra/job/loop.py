@@ -11,21 +11,36 @@ generating step n+1's groups (and switch to the new weights between tokens when 
 Trajectories whose oldest token is more than s versions old when their batch is formed are
 dropped, never trained on. Training and weight export are blocking gRPC calls made from a
 thread, so the event loop keeps driving every trajectory meanwhile.
+
+A run is resumable from its first step: the starting state is checkpointed before the first
+rollout. A checkpoint holds, besides the trainer's, the data position, the gate, the router, the
+groups not yet trained on (rolled out again, under the same ids, by the resumed run) and the
+record files' lengths (what was recorded after it is moved aside on resume). Losing the train
+ranks ends the run with a message naming what was lost, an event and the report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from libra.config import LibraConfig
-from libra.job.config import JobConfig
 from libra.job.planning import StepTimes
-from libra.job.recorder import HeldOutEvaluation, RunRecorder, StepMetrics
+from libra.job.recorder import (
+    HeldOutEvaluation,
+    JobEvent,
+    RunRecorder,
+    StepMetrics,
+    read_jsonl,
+    rewind_records,
+)
 from libra.job.rollouts import Group, GroupRollout, TaskStream
 from libra.job.setup import JobWorkers
 from libra.job.trainer import measure_logprob_gap
@@ -46,26 +61,23 @@ class JobResult:
     """Held-out reward before the first step and after the last (`job.eval_tasks`)."""
 
 
+class TrainingLost(RuntimeError):
+    """The train ranks failed a call: their host, or the ranks themselves, are gone."""
+
+
 class GrpoJob:
-    def __init__(self, config: LibraConfig, job: JobConfig, resume: bool = False):
-        config.check_consistency()
-        if config.training.train_batch_size != job.batch_size:
-            raise ValueError(
-                f"training.train_batch_size ({config.training.train_batch_size}) must equal "
-                f"job.prompts_per_step x job.group_size ({job.batch_size})"
-            )
-        if config.tasks.dataset_path is not None and not job.model:
-            raise ValueError(
-                "tasks.dataset_path needs job.model, the HF model folder of the policy to train (the "
-                "default warm-started tiny policy knows only its procedural tasks)"
-            )
-        self.config, self.job, self.resume = config, job, resume
+    def __init__(self, config: LibraConfig, resume: bool = False):
+        config = config.resolved()  # a config built in code, not loaded, is checked and completed here
+        self.config, self.job, self.resume = config, config.job, resume
         self.run_dir = Path(config.run_dir)
-        if resume:
-            _last_checkpoint(self.run_dir)  # refused before any worker starts
-        self.gate = StalenessGate(config.training.max_staleness, job.batch_size)
+        self._resume_from = _last_checkpoint(self.run_dir) if resume else None  # refused before any start
+        self.gate = StalenessGate(config.training.max_staleness, self.job.batch_size)
         self.in_flight: dict[int, asyncio.Task[Group]] = {}
         self.finished: dict[int, Group] = {}
+        self.unfinished: dict[int, int] = {}
+        """Group index -> task index of every group launched and not yet taken into a batch."""
+        self._relaunch: list[tuple[int, int]] = []
+        """(group index, task index) of the unfinished groups of the checkpoint resumed from."""
         self.steps: list[StepMetrics] = []
         self.evaluations: list[HeldOutEvaluation] = []
         self.num_rolled_out = 0
@@ -75,17 +87,29 @@ class GrpoJob:
 
     async def _run(self) -> JobResult:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.workers = JobWorkers(self.config, self.job)
-        self.recorder = RunRecorder(self.run_dir, prometheus=self._start_prometheus())
+        resume_state, superseded = {}, {}
+        if self._resume_from is not None:
+            # Before the recorder opens the files: it appends to what the checkpoint recorded.
+            resume_state = json.loads((self._resume_from / "job_state.json").read_text())
+            if "records" in resume_state:  # a checkpoint of an older version kept no lengths
+                superseded = rewind_records(self.run_dir, resume_state["records"])
+        self.workers = JobWorkers(self.config)
+        self.recorder = RunRecorder(
+            self.run_dir,
+            prometheus=self._start_prometheus(),
+            purge_step=resume_state["version"] + 1 if resume_state else None,
+        )
         try:
             await self.workers.start(self.recorder)
             self.recorder.publish_to(self.workers.cluster.controller.events)
             self._start_planning()
             self.stream = TaskStream(self.workers.tasks, self.job.seed)
-            if self.resume:
-                await self._restore()
+            if resume_state:
+                await self._restore(resume_state, superseded)
             self.rollout = self._group_rollout(self.job.group_size)
-            await self._evaluate("before")
+            self._checkpoint()  # the starting state: resumable from the first step
+            if not any(e["when"] == "before" for e in read_jsonl(self.run_dir / "evaluations.jsonl")):
+                await self._evaluate("before")
             await self._train_loop()
             await self._evaluate("after")
             await self._close_planning()
@@ -133,18 +157,22 @@ class GrpoJob:
             batch = await self._next_batch()
             train_started = time.monotonic()
             wait_s = train_started - step_started
-            # Before the update: the trainer still runs the version that sampled the compared tokens.
-            gap = await asyncio.to_thread(measure_logprob_gap, self.workers.trainer, batch, self.gate.version)
-            self.workers.training_now = True
-            try:
-                stats = await asyncio.to_thread(self.workers.trainer.train_step, batch)
-            finally:
-                self.workers.training_now = False
+            with self._train_ranks_call("the train step"):
+                # Before the update: the trainer still runs the version that sampled the compared tokens.
+                gap = await asyncio.to_thread(
+                    measure_logprob_gap, self.workers.trainer, batch, self.gate.version
+                )
+                self.workers.training_now = True
+                try:
+                    stats = await asyncio.to_thread(self.workers.trainer.train_step, batch)
+                finally:
+                    self.workers.training_now = False
             self.gate.on_train_step(len(batch))
             if stats.version != self.gate.version:
                 raise RuntimeError(f"trainer is at version {stats.version}, the job at {self.gate.version}")
             publish_started = time.monotonic()
-            await self.workers.publish(self.gate.version)
+            with self._train_ranks_call(f"publishing version {self.gate.version}"):
+                await self.workers.publish(self.gate.version)
             now = time.monotonic()
             tokens = await self.workers.generated_tokens()
             # Per instance: a restarted instance counts from zero again.
@@ -182,7 +210,27 @@ class GrpoJob:
                     StepTimes(metrics.step, wait_s, now - train_started, self._last_dropped)
                 )
             if self.job.checkpoint_interval and self.gate.version % self.job.checkpoint_interval == 0:
-                self._checkpoint()
+                with self._train_ranks_call(f"the checkpoint of version {self.gate.version}"):
+                    self._checkpoint()
+
+    @contextlib.contextmanager
+    def _train_ranks_call(self, what: str):
+        """Turns a failed call to the train ranks into `TrainingLost`, naming the ranks and hosts
+        lost and the checkpoint to resume from, and records it as a `training_lost` event."""
+        try:
+            yield
+        except grpc.RpcError as e:
+            lost = self.workers.train_ranks_lost()
+            checkpoint = _last_checkpoint(self.run_dir)
+            message = (
+                f"training lost during {what} at version {self.gate.version}: "
+                f"{'; '.join(lost) or 'no train rank reported ended'} "
+                f"(the call failed with {e.code().name}: {e.details()}); "
+                f"resume with `libra run CONFIG --resume {self.run_dir}` "
+                f"(from {checkpoint.name}, version {_checkpoint_version(checkpoint)})"
+            )
+            self.recorder.event(JobEvent.TRAINING_LOST, message, lost=lost, checkpoint=str(checkpoint))
+            raise TrainingLost(message) from e
 
     def _group_rollout(self, group_size: int) -> GroupRollout:
         return GroupRollout(
@@ -223,8 +271,13 @@ class GrpoJob:
         """Starts groups while the gate allows a whole group."""
         while self.gate.capacity() >= self.job.group_size:
             self.gate.try_start(self.job.group_size)
-            index = self.stream.position
-            task_index, task = self.stream.next()
+            if self._relaunch:
+                index, task_index = self._relaunch.pop(0)
+                task = self.stream.tasks[task_index]
+            else:
+                index = self.stream.position
+                task_index, task = self.stream.next()
+            self.unfinished[index] = task_index
             group = Group(index, task_index, self.gate.version)
             self.in_flight[index] = asyncio.create_task(self.rollout.run(group, task))
 
@@ -237,6 +290,7 @@ class GrpoJob:
             await self._collect_finished()
             while self.finished and len(batch) < self.job.batch_size:
                 group = self.finished.pop(min(self.finished))
+                del self.unfinished[group.index]
                 self.recorder.group(group)
                 if self.planning is not None:
                     self.planning.record(group.traces)
@@ -270,20 +324,31 @@ class GrpoJob:
             "gate": self.gate.state_dict(),
             "router": self.workers.router_state(),
             "num_rolled_out": self.num_rolled_out,
+            "unfinished_groups": sorted([*self.unfinished.items(), *self._relaunch]),
+            "records": self.recorder.offsets(),
         }
         (directory / "job_state.json").write_text(json.dumps(state))
-        self.recorder.event("checkpoint", f"saved version {version} to {directory}")
+        self.recorder.event(JobEvent.CHECKPOINT, f"saved version {version} to {directory}")
 
-    async def _restore(self) -> None:
-        directory = _last_checkpoint(self.run_dir)
-        state = json.loads((directory / "job_state.json").read_text())
+    async def _restore(self, state: dict, superseded: dict[str, int]) -> None:
+        directory = self._resume_from
         version = await asyncio.to_thread(self.workers.trainer.load_checkpoint, str(directory / "trainer"))
         self.gate.load_state_dict(state["gate"], release_in_flight=True)
         self.stream.position = state["data_position"]
         self.num_rolled_out = state["num_rolled_out"]
+        self._relaunch = [(index, task) for index, task in state.get("unfinished_groups", [])]
         self.workers.restore_router(state["router"])
-        await self.workers.publish(version)
-        self.recorder.event("resume", f"resumed at version {version} from {directory}")
+        if version > 0:  # version 0 is the model the instances started from
+            await self.workers.publish(version)
+        moved = ", ".join(f"{n} {name}" for name, n in superseded.items()) or "none"
+        self.recorder.event(
+            JobEvent.RESUME,
+            f"resumed at version {version} from {directory}; {len(self._relaunch)} groups unfinished "
+            f"at the checkpoint are rolled out again under their ids; rows recorded after the "
+            f"checkpoint, moved to superseded/: {moved}",
+            rolled_out_again=[index for index, _ in self._relaunch],
+            superseded=superseded,
+        )
 
 
 def _last_checkpoint(run_dir: Path) -> Path:
@@ -291,3 +356,7 @@ def _last_checkpoint(run_dir: Path) -> Path:
     if not done:
         raise ValueError(f"--resume: {run_dir}/checkpoints holds no finished checkpoint")
     return done[-1].parent
+
+
+def _checkpoint_version(directory: Path) -> int:
+    return json.loads((directory / "job_state.json").read_text())["version"]

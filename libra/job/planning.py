@@ -1,8 +1,9 @@
 """The global planner inside the job: its inputs from the job's own measurements, and its plans
 carried out on the live cluster.
 
-The controller owns the `Planner` (it serves GetPlan / ProposePlan / SetPlannerPolicy and
-publishes plan events); the job feeds it and executes what it adopts:
+The job runs the `Planner` on its controller (`JobCluster.start`: the controller serves GetPlan /
+ProposePlan / SetPlannerPolicy and publishes plan events); the job feeds it and executes what it
+adopts:
 
     launch     the layout the job started (training on the first devices, rollout instances
                after them) becomes the planner's current plan, proposed like any external plan
@@ -41,28 +42,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from libra.config import LibraConfig
 from libra.control import ClusterClient
 from libra.control.types import EventKind
-from libra.job.config import JobConfig
+from libra.job.recorder import JobEvent
 from libra.job.training_restart import JobTrainingRestart
 from libra.planner.actions import ActionExecutor, ExecutionReport, describe_action
 from libra.planner.config import (
-    ClusterSpec,
-    ModelArch,
-    PlanningProblem,
     RequestRecord,
-    TrainingBatch,
 )
-from libra.planner.controls import HybridJoin, LaunchSpec
+from libra.planner.controls import LaunchSpec
 from libra.planner.diff import (
     Action,
     JoinHybridReplica,
@@ -75,8 +69,8 @@ from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacem
 from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
 from libra.rollout.plan_control import PoolRolloutControl
-from libra.sim.trace import TrajectoryTrace
-from libra.training.hybrid import HYBRID_POOL_LIMITS, paired_core_rank
+from libra.training.elastic import HybridJoin, ReplicaState
+from libra.training.hybrid import paired_core_rank
 from libra.training.hybrid_worker import hybrid_worker_argv
 
 if TYPE_CHECKING:
@@ -87,74 +81,24 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PLAN_EVENT_KINDS = {
-    EventKind.PLAN_APPLIED: "plan_applied",
-    EventKind.PLAN_PROPOSED: "plan_proposed",
-    EventKind.PLAN_REJECTED: "plan_rejected",
-    EventKind.PLAN_VETOED: "plan_vetoed",
-    EventKind.PLAN_EXECUTED: "plan_action",
+    EventKind.PLAN_APPLIED: JobEvent.PLAN_APPLIED,
+    EventKind.PLAN_PROPOSED: JobEvent.PLAN_PROPOSED,
+    EventKind.PLAN_REJECTED: JobEvent.PLAN_REJECTED,
+    EventKind.PLAN_VETOED: JobEvent.PLAN_VETOED,
+    EventKind.PLAN_EXECUTED: JobEvent.PLAN_ACTION,
 }
 """Controller event kind -> the run's event kind."""
-_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-# -- the planner's inputs ----------------------------------------------------------------------
-
-
-def model_arch(model_dir: Path, dtype: str) -> ModelArch:
-    """The planner's view of an HF model folder, at the instances' dtype."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return ModelArch.from_hf_config(
-        model_dir, _BYTES_PER_DTYPE.get(dtype if dtype != "auto" else raw.get("dtype", ""), 2)
-    )
-
-
-def cluster_spec(devices_per_agent: int, num_agents: int, profile) -> ClusterSpec:
-    """Planner nodes of the largest power of two that divides an agent's devices: an agent of a
-    power of two is one node (the 4-slot CPU default: one node of 4), one of 6 is three nodes of 2,
-    one of 3 three nodes of 1 (rollout and training TP 1 only). That keeps the planner's numbering
-    (node-major, device d = the d-th device of the agents laid end to end)."""
-    if devices_per_agent < 1:
-        raise ValueError(f"an agent must hold at least one device, got {devices_per_agent}")
-    node = devices_per_agent & -devices_per_agent
-    return ClusterSpec(num_agents * devices_per_agent // node, node, profile)
-
-
-def request_record(trace: TrajectoryTrace) -> RequestRecord:
-    """What rollout did for one finished trajectory: every prefilled token (the prompt and the
-    tool results), every decoded one, its turns and its time in tools."""
-    return RequestRecord(
-        trace.prompt_tokens + trace.payload_tokens, trace.output_tokens, len(trace.turns), trace.tool_time_s
-    )
-
-
-def planning_problem(config: LibraConfig, job: JobConfig, model_dir: Path) -> PlanningProblem:
-    """The job's planning problem before launch. The cluster is sized from the backend (its
-    devices per agent, `job.num_agents` agents); the history is one seed request (a turn at the
-    per-turn cap) that the measured trajectories replace before the first search can run (the
-    policy's `min_history`)."""
-    from libra.backends import get_backend
-
-    backend = get_backend(config.backend.name, **config.backend.options())
-    profile = backend.hardware_profile()
-    cluster = cluster_spec(profile.devices_per_node, job.num_agents, profile)
-    turn = config.rollout.agent.max_tokens_per_turn
-    return PlanningProblem(
-        cluster=cluster,
-        model=model_arch(model_dir, config.rollout.instance.dtype),
-        # One micro-batch size: the trainer forms token-balanced micro-batches itself, and a
-        # plan that differed from the running one only in it would need a training restart.
-        batch=TrainingBatch(
-            global_batch=job.batch_size,
-            group_size=job.group_size,
-            micro_batch_sizes=(1,),
-            distributed_optimizer=config.training.use_distributed_optimizer,
-            recompute=config.training.recompute,
-            max_staleness=config.training.max_staleness,
-        ),
-        history=(RequestRecord(turn, turn),),
-        # What `libra.training.hybrid` pairs: training grows past it by a restart.
-        config=dataclasses.replace(config.planner, hybrid_pool=HYBRID_POOL_LIMITS),
-    )
+HYBRID_STATE_EVENTS = {
+    ReplicaState.REQUESTED: JobEvent.HYBRID_REQUESTED,
+    ReplicaState.FETCHING_STATE: JobEvent.HYBRID_FETCHING_STATE,
+    ReplicaState.ZERO_SYNC: JobEvent.HYBRID_ZERO_SYNC,
+    ReplicaState.ACTIVATING: JobEvent.HYBRID_ACTIVATING,
+    ReplicaState.ACTIVE: JobEvent.HYBRID_ACTIVE,
+    ReplicaState.RELEASING: JobEvent.HYBRID_RELEASING,
+    ReplicaState.RELEASED: JobEvent.HYBRID_RELEASED,
+    ReplicaState.ROLLED_BACK: JobEvent.HYBRID_ROLLED_BACK,
+}
+"""A hybrid replica's protocol state -> the run's event kind when its lane enters it."""
 
 
 @dataclass(frozen=True)
@@ -178,15 +122,12 @@ class JobLauncher:
     def __init__(self, workers: JobWorkers):
         self.workers = workers
         self._count = 0
-        self.ready_files: dict[str, Path] = {}
-        """Plan instance id -> the address file of its newest start."""
 
     def rollout_instance(self, action: StartRolloutInstance) -> LaunchSpec:
         cluster = self.workers.cluster
         agent_id, _ = cluster.device_map().locate(action.devices)
         self._count += 1
         address_file = self.workers.run_dir / f"plan-{action.instance_id}-{self._count}.addr"
-        self.ready_files[action.instance_id] = address_file
         argv = self.workers.rollout_argv(action.tp, cluster.agent_host(agent_id), address_file)
         env = {"LIBRA_TOKEN": cluster.token, "PYTHONWARNINGS": "ignore"}
         return LaunchSpec(tuple(argv), env, os.getcwd(), str(address_file))
@@ -350,11 +291,11 @@ class JobPlanning:
     docstring). Lives on the job's event loop; the executor runs on a thread."""
 
     def __init__(self, workers: JobWorkers, recorder: RunRecorder):
-        controller = workers.cluster.controller
-        if controller is None or controller.planner is None:
+        controller, planner = workers.cluster.controller, workers.cluster.planner
+        if controller is None or planner is None:
             raise RuntimeError("the controller runs no planner: start the cluster with a planning problem")
         self.workers, self.recorder = workers, recorder
-        self.planner = controller.planner
+        self.planner = planner
         self.events = controller.events
         self._event_sequence = 0
         self.history: collections.deque[RequestRecord] = collections.deque(
@@ -380,7 +321,7 @@ class JobPlanning:
         self.hybrids: RankHybridControl | None = None
         self._pending_reconcile = ""
         """Why the planner must be reconciled at the next step boundary ("" : no need)."""
-        self._lane_seen: dict[int, tuple[int, str]] = {}
+        self._lane_seen: dict[int, tuple[int, ReplicaState]] = {}
         """Hybrid replica -> (generation, state) of its lanes as last recorded."""
         self.executor = ActionExecutor(
             self._client,
@@ -449,7 +390,7 @@ class JobPlanning:
             measured = round(max(started), 1)
             self.planner.set_policy(dataclasses.replace(policy, reconfiguration_cost_s=measured))
             self.recorder.event(
-                "planner_prior",
+                JobEvent.PLANNER_PRIOR,
                 f"a plan's reconfiguration is priced at {measured} s until one is measured: "
                 "the launch's slowest instance took that long to start",
             )
@@ -487,7 +428,7 @@ class JobPlanning:
 
     def record(self, traces) -> None:
         """The traces of a finished group join the history."""
-        self.history.extend(request_record(trace) for trace in traces)
+        self.history.extend(RequestRecord.from_trace(trace) for trace in traces)
 
     async def after_step(self, times: StepTimes) -> None:
         """Called by the loop after each step: finishes a completed execution, feeds the planner
@@ -501,7 +442,7 @@ class JobPlanning:
                 return  # one plan at a time; the planner observes again once it is carried out
             self._finish_execution()
         if self._pending_reconcile:
-            self.recorder.event("plan_replanned", self._pending_reconcile)
+            self.recorder.event(JobEvent.PLAN_REPLANNED, self._pending_reconcile)
             self._reconcile(self._pending_reconcile)
             self._pending_reconcile = ""
         await self._follow_lane()
@@ -527,7 +468,7 @@ class JobPlanning:
             await asyncio.to_thread(self.planner.observe, obs)
         except Exception as e:  # noqa: BLE001 - a failed search must not end the run
             self.recorder.event(
-                "plan_failed", f"step {times.step}: the planner failed: {type(e).__name__}: {e}"
+                JobEvent.PLAN_FAILED, f"step {times.step}: the planner failed: {type(e).__name__}: {e}"
             )
         self._mirror_events()
         self._maybe_execute()
@@ -542,7 +483,7 @@ class JobPlanning:
         live = self.workers.pool.live_ids()
         if loads is None or not live:
             return 0.0
-        capacity = len(live) * self.workers.job.scheduler.max_queue_length
+        capacity = len(live) * self.workers.config.scheduler.max_queue_length
         return min(1.0, sum(load.active for load in loads()) / capacity)
 
     def _maybe_execute(self) -> None:
@@ -560,7 +501,7 @@ class JobPlanning:
         dead = [a for a in actions if any(not devices.usable(d) for d in _devices_started(a))]
         if dead:
             self.recorder.event(
-                "plan_refused",
+                JobEvent.PLAN_REFUSED,
                 f"plan v{version} starts {describe_action(dead[0])} on a device whose node agent is lost",
                 plan_version=version,
             )
@@ -568,7 +509,7 @@ class JobPlanning:
             return
         if refused:
             self.recorder.event(
-                "plan_refused",
+                JobEvent.PLAN_REFUSED,
                 f"plan v{version} needs {describe_action(refused[0])}, which the job cannot do yet; "
                 "keeping the running layout",
                 plan_version=version,
@@ -576,7 +517,7 @@ class JobPlanning:
             self._reconcile(f"the job refused plan v{version}")
             return
         self.recorder.event(
-            "plan_executing",
+            JobEvent.PLAN_EXECUTING,
             f"plan v{version}: {len(actions)} actions, predicted step {plan.predicted_step_s:.3f} s "
             f"(train {plan.predicted_train_s:.3f} s, rollout {plan.predicted_rollout_s:.3f} s)",
             plan_version=version,
@@ -597,7 +538,7 @@ class JobPlanning:
             report = task.result()
         except Exception as e:  # noqa: BLE001 - nothing ran (e.g. a device still held)
             self.recorder.event(
-                "plan_executed", f"plan v{version} not executed: {e}", plan_version=version, ok=False
+                JobEvent.PLAN_EXECUTED, f"plan v{version} not executed: {e}", plan_version=version, ok=False
             )
             self._reconcile(f"plan v{version} could not run")
             return
@@ -608,7 +549,7 @@ class JobPlanning:
             self._train_first_device = plan.training.first_device
             self.planner.record_reconfiguration(report.seconds, restart=restarted)
             self.recorder.event(
-                "plan_executed",
+                JobEvent.PLAN_EXECUTED,
                 f"plan v{version} applied in {report.seconds:.1f} s ({len(report.results)} actions)",
                 plan_version=version,
                 ok=True,
@@ -618,7 +559,7 @@ class JobPlanning:
             return
         failed = report.failed
         self.recorder.event(
-            "plan_executed",
+            JobEvent.PLAN_EXECUTED,
             f"plan v{version} failed at {failed.describe()}",
             plan_version=version,
             ok=False,
@@ -651,22 +592,25 @@ class JobPlanning:
             await self._follow(lane)
 
     async def _follow(self, lane) -> None:
-        if (lane.generation, lane.state) != self._lane_seen.get(lane.replica, (0, "")):
-            self._lane_seen[lane.replica] = (lane.generation, lane.state)
+        # The reply names a `ReplicaState` (empty: the slot saw no join yet).
+        state = ReplicaState[lane.state] if lane.state else None
+        if state is not None and (lane.generation, state) != self._lane_seen.get(lane.replica):
+            self._lane_seen[lane.replica] = (lane.generation, state)
             self.recorder.event(
-                f"hybrid_{lane.state.lower()}",
-                f"hybrid replica {lane.replica} (generation {lane.generation}) is {lane.state}",
+                HYBRID_STATE_EVENTS[state],
+                f"hybrid replica {lane.replica} (generation {lane.generation}) is {state.name}",
                 replica=lane.replica,
                 generation=lane.generation,
                 accepted_payloads=lane.accepted_payloads,
                 filled_in_shares=lane.filled_in_shares,
             )
         running = self.executor.running_hybrids().get(lane.replica)
-        if lane.state == "ROLLED_BACK" and running is not None and running.generation == lane.generation:
+        rolled_back = state is ReplicaState.ROLLED_BACK
+        if rolled_back and running is not None and running.generation == lane.generation:
             detail = await asyncio.to_thread(self.executor.retire_hybrid, lane.replica)
             reason = lane.rollbacks[-1] if lane.rollbacks else "rolled back"
             self.recorder.event(
-                "hybrid_retired",
+                JobEvent.HYBRID_RETIRED,
                 f"hybrid replica {lane.replica} rolled back ({reason}); {detail}",
                 replica=lane.replica,
                 filled_in_shares=lane.filled_in_shares,
@@ -675,7 +619,7 @@ class JobPlanning:
 
     def _disable(self, why: str) -> None:
         self.enabled = False
-        self.recorder.event("planner_off", why)
+        self.recorder.event(JobEvent.PLANNER_OFF, why)
 
     def _mirror_events(self) -> None:
         """Copies the controller's new plan events into the run's events."""
@@ -686,16 +630,10 @@ class JobPlanning:
 
     # -- instances the executor starts, and restarts by the job's watchdog ------------------------
 
-    async def _add_instance(self, plan_id: str, tp: int, address: str) -> int:
-        address_file = str(self.launcher.ready_files[plan_id])
-        state = self.workers.cluster.controller.cluster.snapshot()
-        worker = next(
-            (w for w in reversed(state.workers) if address_file in w.spec.argv and not w.state.ended), None
-        )
-        if worker is None:
-            raise RuntimeError(
-                f"no running worker serves plan instance {plan_id} (address file {address_file})"
-            )
+    async def _add_instance(self, plan_id: str, worker_id: str, tp: int, address: str) -> int:
+        worker = self.workers.cluster.worker_state(worker_id)
+        if worker is None or worker.state.ended:
+            raise RuntimeError(f"worker {worker_id} of plan instance {plan_id} is not running")
         return await self.workers.join_instance(
             worker.spec.worker_id, worker.agent_id, worker.spec.devices, tp, address
         )

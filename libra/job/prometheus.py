@@ -9,7 +9,35 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from libra.job.recorder import ClusterSample, StepMetrics
+from libra.job.recorder import ClusterSample, JobEvent, StepMetrics
+
+FAULT_EVENTS = frozenset({JobEvent.INSTANCE_LOST, JobEvent.INSTANCE_RESTARTED})
+"""Counted by `libra_instance_events_total`."""
+PLANNER_EVENTS = frozenset(
+    {
+        JobEvent.PLAN_FAILED,
+        JobEvent.PLAN_REPLANNED,
+        JobEvent.PLAN_REFUSED,
+        JobEvent.PLAN_EXECUTING,
+        JobEvent.PLAN_EXECUTED,
+        JobEvent.PLAN_APPLIED,
+        JobEvent.PLAN_PROPOSED,
+        JobEvent.PLAN_REJECTED,
+        JobEvent.PLAN_VETOED,
+        JobEvent.PLAN_ACTION,
+        JobEvent.HYBRID_REQUESTED,
+        JobEvent.HYBRID_FETCHING_STATE,
+        JobEvent.HYBRID_ZERO_SYNC,
+        JobEvent.HYBRID_ACTIVATING,
+        JobEvent.HYBRID_ACTIVE,
+        JobEvent.HYBRID_RELEASING,
+        JobEvent.HYBRID_RELEASED,
+        JobEvent.HYBRID_ROLLED_BACK,
+        JobEvent.HYBRID_RETIRED,
+    }
+)
+"""Counted by `libra_planner_events_total`: the planner's decisions and actions, and the hybrid
+replicas' states."""
 
 
 class JobMetrics:
@@ -91,12 +119,12 @@ class JobMetrics:
         self.migrations.inc(max(sample.migrations - self._migrations_seen, 0))
         self._migrations_seen = sample.migrations
 
-    def on_event(self, kind: str, extra: dict) -> None:
-        if kind in ("instance_lost", "instance_restarted"):
+    def on_event(self, kind: JobEvent, extra: dict) -> None:
+        if kind in FAULT_EVENTS:
             self.faults.labels(kind).inc()
-        if kind.startswith(("plan_", "hybrid_")):
+        if kind in PLANNER_EVENTS:
             self.planner.labels(kind).inc()
-        if kind == "plan_applied" and "plan_version" in extra:
+        if kind == JobEvent.PLAN_APPLIED and "plan_version" in extra:
             self.plan_version.set(extra["plan_version"])
 
     def close(self) -> None:

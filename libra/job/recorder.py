@@ -1,19 +1,74 @@
 """What a run leaves in its folder while it runs: per-step metrics (`metrics.jsonl` and
 TensorBoard scalars under `tensorboard/`), every trajectory in the simulator's trace format
-(`trajectories.jsonl`, `libra.sim.trace`), rewards and outcomes (`samples.jsonl`), bucket
+(`trajectories.jsonl`, `libra.trace`), rewards and outcomes (`samples.jsonl`), bucket
 occupancy samples (`occupancy.jsonl`), plan / fault events (`events.jsonl`) and the held-out
 evaluations (`evaluations.jsonl`).
-All files are appended, so a resumed run continues them."""
+All files are appended, so a resumed run continues them. Each checkpoint keeps the files' lengths
+(`RunRecorder.offsets`); a resumed run first moves the steps, trajectories and evaluations recorded
+after its checkpoint to `superseded/` (`rewind_records`), so every step and trajectory id appears
+once. Events and occupancy are the run's timeline and keep what happened, the fault included."""
 
 from __future__ import annotations
 
+import enum
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from libra.job.rollouts import Group
-from libra.sim.trace import trace_to_dict
+from libra.trace import trace_to_dict
+
+
+class JobEvent(enum.StrEnum):
+    """The kind of an event in a run's `events.jsonl` (its `kind`, as the value's string: run
+    folders of every version read alike)."""
+
+    STARTED = "started"
+    """The workers serve; the run begins."""
+    CHECKPOINT = "checkpoint"
+    RESUME = "resume"
+    """A resumed run took up its last checkpoint."""
+    TRAINING_LOST = "training_lost"
+    """The train ranks are gone; the run ends."""
+    LOAD_FAILED = "load_failed"
+    """An instance failed to load a published version (retried)."""
+    LOAD_GIVEN_UP = "load_given_up"
+    """... and stays behind it: its retries are spent."""
+    INSTANCE_LOST = "instance_lost"
+    INSTANCE_ABANDONED = "instance_abandoned"
+    """A lost instance is not restarted: its node agent is gone."""
+    INSTANCE_RESTARTED = "instance_restarted"
+    PLANNER_PRIOR = "planner_prior"
+    """The reconfiguration price the planner assumes until one is measured."""
+    PLANNER_OFF = "planner_off"
+    """The planner in the loop stopped; the running layout stays."""
+    # The job's side of a plan.
+    PLAN_FAILED = "plan_failed"
+    """The planner's search raised."""
+    PLAN_REPLANNED = "plan_replanned"
+    PLAN_REFUSED = "plan_refused"
+    """The job cannot carry the adopted plan out; the running layout stays."""
+    PLAN_EXECUTING = "plan_executing"
+    PLAN_EXECUTED = "plan_executed"
+    # The controller's plan events, mirrored (`libra.job.planning.PLAN_EVENT_KINDS`).
+    PLAN_APPLIED = "plan_applied"
+    PLAN_PROPOSED = "plan_proposed"
+    PLAN_REJECTED = "plan_rejected"
+    PLAN_VETOED = "plan_vetoed"
+    PLAN_ACTION = "plan_action"
+    # A hybrid replica's lane entering each `libra.training.elastic.ReplicaState`
+    # (`libra.job.planning.HYBRID_STATE_EVENTS`), and its retirement after a rollback.
+    HYBRID_REQUESTED = "hybrid_requested"
+    HYBRID_FETCHING_STATE = "hybrid_fetching_state"
+    HYBRID_ZERO_SYNC = "hybrid_zero_sync"
+    HYBRID_ACTIVATING = "hybrid_activating"
+    HYBRID_ACTIVE = "hybrid_active"
+    HYBRID_RELEASING = "hybrid_releasing"
+    HYBRID_RELEASED = "hybrid_released"
+    HYBRID_ROLLED_BACK = "hybrid_rolled_back"
+    HYBRID_RETIRED = "hybrid_retired"
 
 
 @dataclass(frozen=True)
@@ -94,24 +149,57 @@ class ClusterSample:
     while its instance has requests in flight, a core train rank's while a train step runs."""
 
 
+RECORD_FILES = ("metrics", "trajectories", "samples", "occupancy", "events", "evaluations")
+REWOUND_FILES = ("metrics", "trajectories", "samples", "evaluations")
+"""What a resumed run records again from its checkpoint on."""
+
+
+def rewind_records(run_dir: Path, offsets: dict[str, int]) -> dict[str, int]:
+    """Truncates each of `REWOUND_FILES` to its length in `offsets` (a checkpoint's), appending the
+    cut rows to `superseded/<name>.jsonl`; returns the number of rows moved per file."""
+    moved = {}
+    for name in REWOUND_FILES:
+        path = run_dir / f"{name}.jsonl"
+        keep = offsets.get(name, 0)
+        if not path.is_file() or path.stat().st_size <= keep:
+            continue
+        with open(path, "r+b") as f:
+            f.seek(keep)
+            tail = f.read()
+            f.truncate(keep)
+        (run_dir / "superseded").mkdir(exist_ok=True)
+        with open(run_dir / "superseded" / f"{name}.jsonl", "ab") as out:
+            out.write(tail)
+        moved[name] = tail.count(b"\n")
+    return moved
+
+
 class RunRecorder:
-    def __init__(self, run_dir: Path, tensorboard: bool = True, prometheus=None):
-        """`prometheus`: a `libra.job.prometheus.JobMetrics` to mirror steps, occupancy and events."""
+    def __init__(
+        self, run_dir: Path, tensorboard: bool = True, prometheus=None, purge_step: int | None = None
+    ):
+        """`prometheus`: a `libra.job.prometheus.JobMetrics` to mirror steps, occupancy and events.
+        `purge_step`: TensorBoard drops its scalars from this step on (a resumed run's first)."""
         self.run_dir = run_dir
         self._prometheus = prometheus
         self._events = None
-        # A resumed run continues the clock of the metrics it appends to.
-        previous = read_jsonl(run_dir / "metrics.jsonl")
-        self.started = time.monotonic() - (previous[-1]["time_s"] if previous else 0.0)
-        self._files = {
-            name: open(run_dir / f"{name}.jsonl", "a", encoding="utf-8")
-            for name in ("metrics", "trajectories", "samples", "occupancy", "events", "evaluations")
-        }
+        # A resumed run continues the clock of the timeline it appends to.
+        last = [
+            rows[-1]["time_s"]
+            for name in ("metrics", "events", "occupancy")
+            if (rows := read_jsonl(run_dir / f"{name}.jsonl"))
+        ]
+        self.started = time.monotonic() - max(last, default=0.0)
+        self._files = {name: open(run_dir / f"{name}.jsonl", "a", encoding="utf-8") for name in RECORD_FILES}
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+
+    def offsets(self) -> dict[str, int]:
+        """The record files' lengths now: what a checkpoint taken now has recorded."""
+        return {name: os.fstat(f.fileno()).st_size for name, f in self._files.items()}
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -170,7 +258,7 @@ class RunRecorder:
         if self._prometheus is not None:
             self._prometheus.on_occupancy(sample)
 
-    def event(self, kind: str, message: str, **extra) -> None:
+    def event(self, kind: JobEvent, message: str, **extra) -> None:
         self._write("events", {"time_s": round(self.elapsed(), 2), "kind": kind, "message": message, **extra})
         self._publish(f"{kind}: {message}")
         if self._prometheus is not None:

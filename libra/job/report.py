@@ -6,11 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from libra.job.recorder import read_jsonl
+from libra.job.recorder import JobEvent, read_jsonl
 
 REALLOCATION_EVENTS = frozenset(
-    {"instance_lost", "instance_restarted", "plan_executed", "hybrid_active", "hybrid_retired", "resume"}
+    {
+        JobEvent.INSTANCE_LOST,
+        JobEvent.INSTANCE_RESTARTED,
+        JobEvent.PLAN_EXECUTED,
+        JobEvent.HYBRID_ACTIVE,
+        JobEvent.HYBRID_RETIRED,
+        JobEvent.RESUME,
+    }
 )
+"""Events marked on the occupancy plot (an events.jsonl row's `kind` string matches its member)."""
 
 
 def write_report(run_dir: str | Path) -> Path:

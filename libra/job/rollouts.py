@@ -23,10 +23,10 @@ from libra.rollout.chat import ChatFormat
 from libra.rollout.tools.base import Tool, ToolResult
 from libra.rollout.tools.config import ToolsConfig
 from libra.rollout.tools.sandbox import SandboxPool
-from libra.sim.trace import TrajectoryTrace, TurnTiming, trace_from_trajectory
 from libra.tasks.config import TasksConfig
 from libra.tasks.datasets import TaskRecord, TaskType, load_tasks
 from libra.tasks.rewards import compute_reward
+from libra.trace import TrajectoryTrace, TurnTiming, trace_from_trajectory
 from libra.trajectory import Outcome, Trajectory
 
 TOOLS_BY_TASK_TYPE: dict[TaskType, tuple[str, ...]] = {

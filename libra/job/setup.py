@@ -15,17 +15,18 @@ from pathlib import Path
 
 from libra.config import LibraConfig
 from libra.control import WorkerRole
-from libra.job.config import JobConfig
+from libra.control.types import AgentState
 from libra.job.progress import Progress
-from libra.job.recorder import ClusterSample, InstanceSample, RunRecorder
+from libra.job.recorder import ClusterSample, InstanceSample, JobEvent, RunRecorder
 from libra.job.trainer import TrainRanks
-from libra.job.workers import JobCluster, Placement, free_port, training_json
+from libra.job.workers import JobCluster, Placement, free_port
 from libra.rollout import AgentLoop, InstanceClient, InstancePool, InstanceUnavailable
-from libra.scheduler import CmlfqRouter, LeastLoadRouter, RoundRobinRouter
+from libra.scheduler import CmlfqRouter, make_router
 from libra.sync import VersionLedger
 from libra.sync.load_request import LoadRequest
 from libra.training.config import TrainingConfig
 from libra.training.hybrid import HYBRID_POOL_LIMITS
+from libra.training.worker import TrainRankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,10 @@ _LOAD_BACKOFF_S = 0.5
 
 
 class JobWorkers:
-    def __init__(self, config: LibraConfig, job: JobConfig):
-        self.config, self.job = config, job
+    def __init__(self, config: LibraConfig):
+        self.config, self.job = config, config.job
         self.run_dir = Path(config.run_dir)
-        self.cluster = JobCluster(config, job)
+        self.cluster = JobCluster(config)
         self.instances: dict[int, tuple[str, int]] = {}
         """instance id -> (worker id, TP size) of live instances."""
         self._next_instance_id = 0
@@ -96,13 +97,13 @@ class JobWorkers:
         )
 
         agent = self.config.rollout.agent
-        self.agent_loop = AgentLoop(self.pool, self.chat, self.tools, agent, self.job.scheduler)
+        self.agent_loop = AgentLoop(self.pool, self.chat, self.tools, agent, self.config.scheduler)
         self.progress = Progress(
             self.job, self.config.run_dir, live=self.job.live_progress and sys.stdout.isatty()
         )
         self._background = [asyncio.create_task(self._sample()), asyncio.create_task(self._watch_instances())]
         recorder.event(
-            "started",
+            JobEvent.STARTED,
             f"{len(self.instances)} rollout instances, {len(self.train_addresses)} train rank(s)",
             model=str(self.model_dir),
         )
@@ -160,13 +161,6 @@ class JobWorkers:
         self.tools = [TimedTool(registry[name]) for name in registry.names]
         self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir), tools=self.tools)
 
-    def _make_router(self):
-        if self.job.router == "cmlfq":
-            return CmlfqRouter(self.job.scheduler)
-        if self.job.router == "least_load":
-            return LeastLoadRouter()
-        return RoundRobinRouter()
-
     @property
     def hosts_hybrid_lane(self) -> bool:
         """Every train rank hosts a lane of the elastic hybrid pool: the planner runs and the
@@ -180,13 +174,38 @@ class JobWorkers:
         """The planner's problem for the controller to serve (None: `job.planner` is off)."""
         if not self.job.planner:
             return None
-        from libra.job.planning import planning_problem
+        from libra.job.problem import planning_problem
 
-        return planning_problem(self.config, self.job, self.model_dir)
+        return planning_problem(self.config, self.model_dir)
 
     def train_layout(self) -> tuple[TrainingConfig, list[Placement]]:
         """The running training layout: its config and each rank's placement, in rank order."""
         return self.config.training, [self.cluster.workers[w] for w in self.train_worker_ids]
+
+    def train_ranks_lost(self, wait_s: float = 15.0) -> list[str]:
+        """What happened to the train ranks that ended or whose agent is gone, one line each. A
+        failed call may arrive before the controller knows why: an agent's loss takes missed
+        heartbeats, so this waits up to `wait_s` for a cause."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            snapshot = self.cluster.controller.cluster.snapshot()
+            agents = {a.agent_id: a for a in snapshot.agents}
+            workers = {w.spec.worker_id: w for w in snapshot.workers}
+            lost = []
+            for worker_id in self.train_worker_ids:
+                worker = workers.get(worker_id)
+                agent = agents.get(worker.agent_id) if worker is not None else None
+                where = f"on agent {agent.agent_id} ({agent.host})" if agent is not None else ""
+                if agent is not None and agent.state != AgentState.ALIVE:
+                    lost.append(f"train rank {worker_id} {where}: the agent is {agent.state.name.lower()}")
+                elif worker is not None and worker.state.ended:
+                    lost.append(
+                        f"train rank {worker_id} {where}: {worker.state.name.lower()} with code "
+                        f"{worker.exit_code} (log {worker.log_path})"
+                    )
+            if lost or time.monotonic() > deadline:
+                return lost
+            time.sleep(0.2)
 
     def stop_train_ranks(self) -> None:
         """Closes the trainer and stops every train rank started last (also a layout that came up
@@ -214,38 +233,20 @@ class JobWorkers:
             host = self.cluster.agent_host(placement.agent_id)
             port_file = self.run_dir / f"{prefix}-rank-{rank}.port"
             port_file.unlink(missing_ok=True)
-            argv = [
-                sys.executable,
-                "-m",
-                "libra.training.worker",
-                "--hf-model",
-                str(self.model_dir),
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(training.world_size),
-                "--master-addr",
-                master_addr,
-                "--master-port",
-                str(master_port),
-                "--tensor-parallel",
-                str(training.tensor_parallel),
-                "--pipeline-parallel",
-                str(training.pipeline_parallel),
-                "--training",
-                training_json(training),
-                "--sync",
-                json.dumps(dataclasses.asdict(self.config.sync)),
-                "--backend",
-                self.config.backend.name,
-                "--host",
-                host,
-                "--port-file",
-                str(port_file),
-            ]
-            if self.hosts_hybrid_lane:
-                argv += ["--elastic", json.dumps(dataclasses.asdict(self.config.elastic))]
-            self.cluster.start_worker(f"{prefix}-{rank}", WorkerRole.TRAIN, placement, argv)
+            spec = TrainRankSpec(
+                hf_model=str(self.model_dir),
+                rank=rank,
+                master_port=master_port,
+                training=training,
+                master_addr=master_addr,
+                sync=self.config.sync,
+                backend=self.config.backend,
+                control=self.config.control,
+                host=host,
+                port_file=str(port_file),
+                elastic=self.config.elastic if self.hosts_hybrid_lane else None,
+            )
+            self.cluster.start_worker(f"{prefix}-{rank}", WorkerRole.TRAIN, placement, spec.to_argv())
             self.train_worker_ids.append(f"{prefix}-{rank}")
             started.append((f"{prefix}-{rank}", port_file, host))
         self.train_addresses = [f"{host}:{self.cluster.wait_for_file(w, f)}" for w, f, host in started]
@@ -253,11 +254,16 @@ class JobWorkers:
         return self.train_addresses
 
     async def _start_instances(self) -> None:
-        self.pool = InstancePool(self._make_router(), self.token, self.job.scheduler, self.config.control)
+        self.pool = InstancePool(
+            make_router(self.job.router, self.config.scheduler),
+            self.token,
+            self.config.scheduler,
+            self.config.control,
+        )
         # The controller's worker events mark a dead instance lost at once (its trajectories go
         # back to the router); `_watch_instances` restarts it.
         self.pool.watch_controller(self.cluster.controller.address, self.token)
-        tp_sizes = sorted(self.job.tp_sizes, reverse=True)
+        tp_sizes = sorted(self.job.rollout_tp_sizes, reverse=True)
         placements = [self.cluster.place(tp, f"rollout instance (TP {tp})") for tp in tp_sizes]
         await asyncio.gather(
             *(self._start_instance(tp, p) for tp, p in zip(tp_sizes, placements, strict=True))
@@ -314,7 +320,9 @@ class JobWorkers:
             if not ok and instance_id in self.instances:
                 worker_id = self.instances[instance_id][0]
                 error = self.ledger.given_up().get(str(instance_id), "")
-                self.recorder.event("load_given_up", f"{worker_id} stays behind version {version}: {error}")
+                self.recorder.event(
+                    JobEvent.LOAD_GIVEN_UP, f"{worker_id} stays behind version {version}: {error}"
+                )
                 await asyncio.to_thread(self.cluster.stop_worker, worker_id)  # the watchdog restarts it
         seconds = time.perf_counter() - started
         logger.info(
@@ -371,7 +379,7 @@ class JobWorkers:
                 except LookupError:
                     return False  # lost while loading
                 self.recorder.event(
-                    "load_failed",
+                    JobEvent.LOAD_FAILED,
                     f"rollout-{instance_id} attempt {task.attempt} of version {task.version}: {error}",
                 )
 
@@ -390,7 +398,7 @@ class JobWorkers:
             return None
 
     async def _sample(self) -> None:
-        buckets = self.job.scheduler.buckets
+        buckets = self.config.scheduler.buckets
         while True:
             await asyncio.sleep(_SAMPLE_INTERVAL_S)
             ids = self.pool.live_ids()
@@ -447,12 +455,12 @@ class JobWorkers:
                 # the router once and the displaced trajectories reroute themselves.
                 self.pool.mark_lost(instance_id, f"worker {worker_id} {status.state.name}")
                 message = f"{worker_id} ended ({status.state.name}, exit {status.exit_code})"
-                self.recorder.event("instance_lost", message)
+                self.recorder.event(JobEvent.INSTANCE_LOST, message)
                 placement = self.cluster.workers.pop(worker_id)
                 if not self.cluster.agent_alive(placement.agent_id):
                     # Its node is gone: nothing to restart there; the planner re-plans without it.
                     self.recorder.event(
-                        "instance_abandoned",
+                        JobEvent.INSTANCE_ABANDONED,
                         f"{worker_id}: node agent {placement.agent_id} is lost",
                         live_instances=len(self.pool.live_ids()),
                     )
@@ -468,7 +476,7 @@ class JobWorkers:
                 if self.on_instance_restarted is not None:
                     self.on_instance_restarted(instance_id, new_id)
                 self.recorder.event(
-                    "instance_restarted",
+                    JobEvent.INSTANCE_RESTARTED,
                     f"{worker_id} restarted as rollout-{new_id}",
                     version=self.current_version,
                     live_instances=len(self.pool.live_ids()),
@@ -484,11 +492,11 @@ class JobWorkers:
 
     def tp_sizes_in_use(self) -> list[int]:
         """TP sizes weights are published for: the launched ones and any a plan started."""
-        return sorted({*self.job.tp_sizes, *(tp for _, tp in self.instances.values())})
+        return sorted({*self.job.rollout_tp_sizes, *(tp for _, tp in self.instances.values())})
 
     def rollout_argv(self, tp_size: int, host: str, address_file: Path) -> list[str]:
         """The command line of a rollout instance of this job (its own and those plans start)."""
-        from libra.rollout.instance_server import instance_argv
+        from libra.rollout.instance_server import InstanceSpec
 
         inst = self.config.rollout.instance
         # The context window cannot exceed the model's positions (vLLM refuses to start).
@@ -499,7 +507,8 @@ class JobWorkers:
             max_model_len=min(inst.max_model_len, positions or inst.max_model_len),
             tensor_parallel_size=tp_size,
         )
-        return instance_argv(config, address_file, host=host)
+        spec = InstanceSpec(config, control=self.config.control, host=host, address_file=str(address_file))
+        return spec.to_argv()
 
     async def join_instance(
         self, worker_id: str, agent_id: str, devices: tuple[int, ...], tp_size: int, address: str

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from libra.config import ControlConfig
 from libra.control.auth import open_channel
+from libra.control.config import ControlConfig
 from libra.sync.load_request import LoadRequest
 from libra.sync.wire import load_request_from_proto
 from libra.training.engine import StepResult

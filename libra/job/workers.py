@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,10 +26,11 @@ from pathlib import Path
 
 from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller, WorkerRole, WorkerSpec, WorkerState
-from libra.control.lifetime import die_with_parent
 from libra.control.types import AgentState
-from libra.job.config import JobConfig
+from libra.control.worker_guard import guarded
 from libra.planner.device_map import DeviceMap
+from libra.planner.planner import Planner
+from libra.planner.service import serve_planner
 from libra.training.config import TrainingConfig
 
 
@@ -44,6 +46,12 @@ class StartedWorker:
     address: str
     pid: int
     log_path: str
+
+
+def section_overrides(prefix: str, section: object, skip: tuple[str, ...] = ()) -> list[str]:
+    """`prefix.field=value` overrides that give a config section's values to a `libra` command."""
+    values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name not in skip}
+    return [f"{prefix}.{name}={'none' if value is None else value}" for name, value in values.items()]
 
 
 def free_port() -> int:
@@ -64,11 +72,13 @@ def training_json(training: TrainingConfig) -> str:
 class JobCluster:
     """The controller, the node agents and the job's workers; `stop()` ends what it started."""
 
-    def __init__(self, config: LibraConfig, job: JobConfig):
+    def __init__(self, config: LibraConfig):
         self.config = config
-        self.job = job
+        self.job = config.job
         self.run_dir = Path(config.run_dir)
         self.controller: Controller | None = None
+        self.planner: Planner | None = None
+        """The global planner, when the cluster was started with a planning problem."""
         self._agent_process: subprocess.Popen | None = None
         self._client: ClusterClient | None = None
         self._free: list[tuple[str, list[int]]] = []
@@ -81,9 +91,15 @@ class JobCluster:
         return self.controller.token
 
     def start(self, planning_problem=None) -> JobCluster:
-        """Starts the controller (serving the planner of `planning_problem`, a
-        `libra.planner.PlanningProblem`, when one is given) and waits for the node agents."""
-        self.controller = Controller(self.config, planning_problem=planning_problem).start()
+        """Starts the controller (with `planning_problem`, a `libra.planner.PlanningProblem`, it
+        also runs the global planner, serves it as PlannerService and publishes its decisions as
+        events) and waits for the node agents."""
+        self.controller = Controller(self.config)
+        services = []
+        if planning_problem is not None:
+            self.planner, service = serve_planner(planning_problem, self.controller.events)
+            services.append(service)
+        self.controller.start(services)
         (self.run_dir / "controller.addr").write_text(self.controller.address + "\n")
         if self.job.spawn_agent:
             self._spawn_agent()
@@ -101,14 +117,15 @@ class JobCluster:
             "--controller",
             self.controller.address,
             f"run_dir={self.run_dir / 'agent'}",
-            f"backend.name={self.config.backend.name}",
+            # The sections the agent serves and places by (TLS, heartbeats, the backend's
+            # options); the token travels in the environment, the controller's port is its own.
+            *section_overrides("control", self.config.control, skip=("token", "port")),
+            *section_overrides("backend", self.config.backend),
         ]
-        if self.config.backend.num_devices is not None:
-            argv.append(f"backend.num_devices={self.config.backend.num_devices}")
+        # Under a guard: a killed job leaves no agent, no worker and nothing they spawned behind.
         self._agent_process = subprocess.Popen(
-            argv,
-            # A killed job leaves no agent (and, through it, no workers) behind.
-            preexec_fn=die_with_parent,
+            guarded(argv),
+            start_new_session=True,
             env={**os.environ, "LIBRA_TOKEN": self.token},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -215,7 +232,9 @@ class JobCluster:
         if self._client is not None:
             self._client.close()
         if self._agent_process is not None:
-            self._agent_process.terminate()
+            if self._agent_process.poll() is None:
+                # To the group: the agent, not its guard, stops its workers.
+                os.killpg(self._agent_process.pid, signal.SIGTERM)
             try:
                 self._agent_process.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -5,12 +5,13 @@ Owns the cost models (rollout: KV capacity, bandwidth-bound decode, prefill, per
 training: per-layer compute, TP/PP/DP communication, 1F1B, memory), their least-squares
 calibration (offline from measured steps, and online per stage against the running plan), the
 exact two-level search, re-plan triggers and the apply rule (calibrated model against calibrated
-model), plan diffs as typed
-actions for node agents, and the PlannerService gRPC servicer — all pure: no devices, no processes.
-The one exception is `actions.ActionExecutor`, which carries a diff out on node agents through the
-controller's cluster API, with the rollout and training sides behind the protocols of `controls`
-(import it from `libra.planner.actions`; it is not re-exported here, so that importing the planner
-does not import the control plane).
+model), plan diffs as typed actions for node agents, and the PlannerService gRPC servicer
+(`service.serve_planner`: the job hands it to the controller, which knows no planner) — all pure:
+no devices, no processes. The one exception is `actions.ActionExecutor`, which carries a diff out
+on node agents through the controller's cluster API, with the rollout and training sides behind
+the protocols of `controls` (import it from `libra.planner.actions`; it is not re-exported here,
+so that importing the planner does not import the control plane). What the elastic hybrid pool
+can pair and answers to a join come from `libra.training.elastic`.
 """
 
 from libra.planner.config import (
@@ -22,7 +23,6 @@ from libra.planner.config import (
     SearchConfig,
     TrainingBatch,
     TriggerPolicy,
-    load_problem,
 )
 from libra.planner.cost_model import EfficiencyFactors, TimeBreakdown
 from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacement
@@ -50,6 +50,5 @@ __all__ = [
     "TrainingConfig",
     "TrainingPlacement",
     "TriggerPolicy",
-    "load_problem",
     "search",
 ]

@@ -299,7 +299,7 @@ class ActionExecutor:
         )
         try:
             address = self._wait_ready(worker_id, spec.ready_file)
-            self.rollout.add_instance(action.instance_id, action.tp, address)
+            self.rollout.add_instance(action.instance_id, worker_id, action.tp, address)
         except Exception:
             self._stop_quietly(worker_id)
             raise

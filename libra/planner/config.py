@@ -1,21 +1,22 @@
 """Typed inputs of the planner: the cluster, the model, the training batch, the workload history,
 and the knobs of the search and of the re-plan triggers.
 
-`PlannerConfig` is the section the lead adds to `LibraConfig` (`planner: PlannerConfig`).
-`PlanningProblem` bundles everything one search needs; a Python file defining
-`planning_problem() -> PlanningProblem` describes a cluster for `libra plan CONFIG`
-(see `configs/planner_qwen3_14b_48xa800.py`).
+`PlannerConfig` is the `planner` section of `LibraConfig`. `PlanningProblem` bundles everything
+one search needs; a Python file defining `planning_problem() -> PlanningProblem` describes a
+cluster for `libra plan CONFIG` (see `configs/planner_qwen3_14b_48xa800.py`), read by the root's
+one config-file loader (`libra.config.load_from_file`, which this layer is below).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from libra.backends.base import HardwareProfile
 from libra.planner.execution_config import ExecutorConfig
+from libra.trace import TrajectoryTrace
+from libra.training.elastic import HybridPoolLimits
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -155,6 +156,18 @@ class RequestRecord:
     tool_time_s: float = 0.0
     """Wall time spent waiting for tools; the trajectory's own latency includes it, the
     instance's busy time does not (other trajectories decode meanwhile)."""
+
+    @classmethod
+    def from_trace(cls, trace: TrajectoryTrace) -> RequestRecord:
+        """What rollout did for one finished trajectory (the job's or the simulator's): every
+        prefilled token (the prompt and the tool results), every decoded one, its turns and its
+        time in tools."""
+        return cls(
+            trace.prompt_tokens + trace.payload_tokens,
+            trace.output_tokens,
+            len(trace.turns),
+            trace.tool_time_s,
+        )
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.output_tokens < 1:
@@ -343,38 +356,6 @@ class TriggerPolicy:
 
 
 @dataclass(frozen=True)
-class HybridPoolLimits:
-    """What the runtime's elastic hybrid pool can pair with the core: a plan that grows training
-    beyond it restarts training instead of joining hybrid replicas (`libra.planner.diff`), and is
-    priced as a restart. The defaults bound nothing: the design's k-replica pool (the simulator).
-    The job sets what `libra.training.hybrid` supports (`HYBRID_POOL_LIMITS`): one hybrid per core
-    replica, on a core of PP = 1 (any TP)."""
-
-    per_core_replica: int | None = None
-    """Most hybrid replicas per core replica (None: no bound)."""
-    max_core_pipeline_parallel: int | None = None
-    """Largest PP of a core replica that takes hybrid replicas (None: any)."""
-
-    def __post_init__(self) -> None:
-        for name in ("per_core_replica", "max_core_pipeline_parallel"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"planner.hybrid_pool.{name} must be >= 0 or None, got {value}")
-
-    def allows(self, core_replicas: int, core_pipeline_parallel: int, hybrids: int) -> bool:
-        """Whether `hybrids` replicas may join a core of `core_replicas` replicas of PP =
-        `core_pipeline_parallel`."""
-        if hybrids == 0:
-            return True
-        if (
-            self.max_core_pipeline_parallel is not None
-            and core_pipeline_parallel > self.max_core_pipeline_parallel
-        ):
-            return False
-        return self.per_core_replica is None or hybrids <= self.per_core_replica * core_replicas
-
-
-@dataclass(frozen=True)
 class PlannerConfig:
     """The `planner` section of a run's config."""
 
@@ -413,20 +394,3 @@ class PlanningProblem:
         object.__setattr__(self, "history", tuple(self.history))
         if not self.history:
             raise ValueError("history must hold at least one request (seed it from a preflight sample)")
-
-
-def load_problem(path: str | Path) -> PlanningProblem:
-    """Runs `planning_problem()` from a Python file (what `libra plan CONFIG` reads)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"no planner config file at {path}")
-    spec = importlib.util.spec_from_file_location(f"_libra_planner_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    build = getattr(module, "planning_problem", None)
-    if build is None:
-        raise ValueError(f"{path} must define planning_problem() -> PlanningProblem")
-    problem = build()
-    if not isinstance(problem, PlanningProblem):
-        raise ValueError(f"{path}: planning_problem() returned {type(problem).__name__}, not PlanningProblem")
-    return problem

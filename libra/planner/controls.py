@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from libra.planner.diff import JoinHybridReplica, RestartTraining, StartRolloutInstance
+from libra.training.elastic import HybridJoin
 
 
 @dataclass(frozen=True)
@@ -35,20 +36,6 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         if not self.argv or not self.argv[0]:
             raise ValueError("LaunchSpec.argv must name a command")
-
-
-@dataclass(frozen=True)
-class HybridJoin:
-    """What the core answers to a join request: the join's generation (events of older
-    generations are ignored) and the addresses of the lanes the replica connects to, one per TP
-    rank of the core replica it pairs with (TP rank t of the replica connects to the t-th)."""
-
-    generation: int
-    lane_addresses: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        if not self.lane_addresses:
-            raise ValueError("HybridJoin needs the address of at least one lane")
 
 
 @runtime_checkable
@@ -75,8 +62,8 @@ class RolloutControl(Protocol):
         """The instance's worker has stopped: forget it (no loss accounting, it was planned)."""
         ...
 
-    def add_instance(self, instance_id: str, tp: int, address: str) -> None:
-        """A new instance serves at `address` (its worker is ready): bring it to the current
+    def add_instance(self, instance_id: str, worker_id: str, tp: int, address: str) -> None:
+        """A new instance serves at `address` (its worker `worker_id` is ready): bring it to the current
         weights and add it to the bucket of its TP size. Raising makes the start fail (the
         executor stops the worker)."""
         ...

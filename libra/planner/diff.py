@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from libra.planner.config import HybridPoolLimits
 from libra.planner.plan import Plan, RolloutInstance
+from libra.training.elastic import HybridPoolLimits
 
 UNBOUNDED_POOL = HybridPoolLimits()
 

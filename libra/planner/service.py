@@ -1,18 +1,25 @@
 """The planner's gRPC servicer (`libra.v1.PlannerService`) over a `Planner`, and the conversion
-between its dataclasses and the protobuf messages (validated on the way in)."""
+between its dataclasses and the protobuf messages (validated on the way in).
+
+The control plane knows no planner: whoever runs one on the controller (the job) builds it with
+`serve_planner`, which publishes its decisions on the controller's event bus, and hands the
+service adder to `Controller.start(services=...)`."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import grpc
 
 from libra.control.convert import InvalidArgument
+from libra.control.events import EventBus
 from libra.control.server import rpc_errors
+from libra.control.types import EventKind
 from libra.planner import diff
-from libra.planner.config import TriggerPolicy
+from libra.planner.config import PlanningProblem, TriggerPolicy
 from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacement
-from libra.planner.planner import Adoption, Planner
+from libra.planner.planner import Adoption, Planner, PlannerEvent
 from libra.planner.training_cost import TrainingConfig
 from libra.v1 import planner_pb2, planner_pb2_grpc
 
@@ -210,7 +217,8 @@ def _adoption_reply(adoption: Adoption) -> planner_pb2.ProposePlanResponse:
 
 
 def add_planner_service(planner: Planner, devices_per_node: int):
-    """An `add_servicers` callback for `libra.control.server.start_server`."""
+    """An `add_servicers` callback for `libra.control.server.start_server`, or a service for
+    `Controller.start(services=...)`."""
 
     def add(server: grpc.Server) -> list[str]:
         planner_pb2_grpc.add_PlannerServiceServicer_to_server(
@@ -219,3 +227,37 @@ def add_planner_service(planner: Planner, devices_per_node: int):
         return [SERVICE_NAME]
 
     return add
+
+
+EVENT_KIND_OF_PLANNER_EVENT = {
+    "applied": EventKind.PLAN_APPLIED,
+    "proposed": EventKind.PLAN_PROPOSED,
+    "rejected": EventKind.PLAN_REJECTED,
+    "vetoed": EventKind.PLAN_VETOED,
+}
+"""`PlannerEvent.kind` -> the controller's event kind that WatchEvents shows."""
+
+
+def publish_plan_events(events: EventBus) -> Callable[[PlannerEvent], None]:
+    """A `Planner`'s `on_event` that publishes its decisions on the controller's event bus."""
+
+    def publish(event: PlannerEvent) -> None:
+        events.publish(
+            EVENT_KIND_OF_PLANNER_EVENT[event.kind], plan_version=event.version, message=event.message
+        )
+
+    return publish
+
+
+def serve_planner(
+    problem: PlanningProblem, events: EventBus
+) -> tuple[Planner, Callable[[grpc.Server], list[str]]]:
+    """A planner for `problem` whose decisions are published on `events` (a controller's), and
+    the adder that serves it as `PlannerService` on that controller:
+
+        controller = Controller(config)
+        planner, service = serve_planner(problem, controller.events)
+        controller.start(services=[service])
+    """
+    planner = Planner(problem, on_event=publish_plan_events(events))
+    return planner, add_planner_service(planner, problem.cluster.devices_per_node)

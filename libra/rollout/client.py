@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from libra.config import ControlConfig
+from libra.control.config import ControlConfig
 from libra.rollout import convert
 from libra.rollout.types import Chunk, FinishReason, InstanceStats, PauseMode, SamplingSpec, Segment
 from libra.sync.instance_update import LoadResult

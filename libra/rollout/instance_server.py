@@ -1,30 +1,33 @@
 """The RolloutInstance gRPC service (asyncio) over an `InstanceEngine`, and the instance process:
 token-in/token-out generation, pause/resume, stats, and loading published weight versions.
 
-Run as a worker: `python -m libra.rollout.instance_server --model DIR --port 0 --address-file F`
-(token from `--token-file` or LIBRA_TOKEN). Once serving, it writes `host:port` to the address
-file (atomically), so a launcher that asked for any free port learns which one. It exits when
+Run as a worker: `python -m libra.rollout.instance_server --spec JSON`, an `InstanceSpec`
+(`spec.to_argv()`; the token from its `token_file` or LIBRA_TOKEN). Once serving, it writes
+`host:port` to the address file (atomically), so a launcher that asked for any free port learns
+which one. It exits when
 the engine dies, so that its node agent reports the worker's exit and the controller notices.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from libra.config import ControlConfig
 from libra.control.aio_server import start_aio_server
 from libra.control.auth import TOKEN_ENV, read_token_file
+from libra.control.config import ControlConfig
 from libra.control.convert import InvalidArgument
+from libra.launch_spec import ArgvSpec
 from libra.logs import configure_logging
 from libra.rollout import convert
 from libra.rollout.config import InstanceConfig
@@ -268,87 +271,30 @@ async def serve(
     return exit_code
 
 
-def build_parser() -> argparse.ArgumentParser:
-    defaults = InstanceConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m libra.rollout.instance_server", description=__doc__.splitlines()[0]
-    )
-    p.add_argument("--model", required=True, help="HF model folder")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0: any free port (see --address-file)")
-    p.add_argument("--address-file", help="write host:port here once serving")
-    p.add_argument("--token-file", help=f"file holding the run's bearer token (default: ${TOKEN_ENV})")
-    p.add_argument("--dtype", default=defaults.dtype)
-    p.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
-    p.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size)
-    p.add_argument("--kv-cache-gib", type=int, default=defaults.kv_cache_gib)
-    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=defaults.enforce_eager)
-    p.add_argument("--stats-window-s", type=float, default=defaults.stats_window_s)
-    return p
+@dataclass(frozen=True)
+class InstanceSpec(ArgvSpec):
+    """How to start one rollout instance: its engine, and its gRPC service with `control`'s
+    settings (TLS among them) on `host`."""
 
-
-def instance_argv(
-    config: InstanceConfig,
-    address_file: str | Path,
-    host: str = "127.0.0.1",
-    python: str = sys.executable,
-) -> list[str]:
-    """The command line that starts an instance process running `config` (every field of it, so
-    that `config_from_args(build_parser().parse_args(argv[3:]))` gives `config` back), serving on
-    any free port of `host` and writing its address to `address_file`. The token travels in the
-    environment (LIBRA_TOKEN), never on the command line."""
-    return [
-        python,
-        "-m",
-        "libra.rollout.instance_server",
-        "--model",
-        config.model,
-        "--host",
-        host,
-        "--address-file",
-        str(address_file),
-        "--dtype",
-        config.dtype,
-        "--max-model-len",
-        str(config.max_model_len),
-        "--tensor-parallel-size",
-        str(config.tensor_parallel_size),
-        "--kv-cache-gib",
-        str(config.kv_cache_gib),
-        "--max-num-seqs",
-        str(config.max_num_seqs),
-        "--seed",
-        str(config.seed),
-        "--enforce-eager" if config.enforce_eager else "--no-enforce-eager",
-        "--stats-window-s",
-        repr(config.stats_window_s),
-    ]
-
-
-def config_from_args(args: argparse.Namespace) -> InstanceConfig:
-    return InstanceConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_gib=args.kv_cache_gib,
-        max_num_seqs=args.max_num_seqs,
-        enforce_eager=args.enforce_eager,
-        seed=args.seed,
-        stats_window_s=args.stats_window_s,
-    )
+    module = "libra.rollout.instance_server"
+    instance: InstanceConfig
+    control: ControlConfig = field(default_factory=ControlConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: any free port (see `address_file`)."""
+    address_file: str | None = None
+    """Written with `host:port` once serving."""
+    token_file: str | None = None
+    """The run's bearer token; default: LIBRA_TOKEN."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    spec = InstanceSpec.from_argv(sys.argv[1:] if argv is None else argv)
     configure_logging("rollout-instance")
-    token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV, "")
+    token = read_token_file(spec.token_file) if spec.token_file else os.environ.get(TOKEN_ENV, "")
     if not token:
-        print(f"no token: pass --token-file or set {TOKEN_ENV}", file=sys.stderr)
+        print(f"no token: set the spec's token_file or {TOKEN_ENV}", file=sys.stderr)
         return 2
-    config = config_from_args(args)
     profile_path = os.environ.get(PROFILE_ENV)
     if profile_path:
         import cProfile
@@ -357,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.callbacks.append(gc_clock)
         profiler = cProfile.Profile()
         profiler.enable()
-    exit_code = asyncio.run(serve(config, ControlConfig(host=args.host), token, args.port, args.address_file))
+    control = dataclasses.replace(spec.control, host=spec.host)
+    exit_code = asyncio.run(serve(spec.instance, control, token, spec.port, spec.address_file))
     if profile_path:
         profiler.disable()
         profiler.dump_stats(profile_path)

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-AddInstance = Callable[[str, int, str], Awaitable[int]]
+AddInstance = Callable[[str, str, int, str], Awaitable[int]]
 """The job's coroutine that starts serving a new instance: (plan id, TP size, address) → the
 pool's int id, after it brought the instance to the current weights and `InstancePool.add`ed it."""
 RemoveInstance = Callable[[int], Awaitable[None]]
@@ -144,13 +144,15 @@ class PoolRolloutControl:
         with self._lock:
             del self._ids[instance_id]
 
-    def add_instance(self, instance_id: str, tp: int, address: str) -> None:
+    def add_instance(self, instance_id: str, worker_id: str, tp: int, address: str) -> None:
         with self._lock:
             if instance_id in self._ids:
                 raise ValueError(
                     f"plan instance {instance_id!r} is already pool instance {self._ids[instance_id]}"
                 )
-        pool_id = self._on_loop(self._add_instance(instance_id, tp, address), self.config.add_timeout_s)
+        pool_id = self._on_loop(
+            self._add_instance(instance_id, worker_id, tp, address), self.config.add_timeout_s
+        )
         self.bind(instance_id, pool_id)
 
     def set_bucket_thresholds(self, thresholds: tuple[tuple[int, int], ...]) -> None:

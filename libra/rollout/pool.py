@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from libra.config import ControlConfig
 from libra.control import convert as control_convert
+from libra.control.config import ControlConfig
 from libra.control.types import EventKind
 from libra.rollout.client import InstanceClient, open_aio_channel
 from libra.scheduler.config import BucketConfig, CmlfqConfig

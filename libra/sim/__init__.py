@@ -1,10 +1,10 @@
 """The discrete-event cluster simulator: drives the real C-MLFQ router, staleness gate and
 planner with simulated rollout instances and training steps.
 
-Owns the trace format (`trace`, JSONL, derivable from a real `Trajectory`), workload generators
-with long tails and drift (`workloads`), the simulated instance (`instance`: continuous batching
-with vLLM-style chunked prefill under a per-step token budget, over the planner's rollout cost
-model), the event engine (`engine`), the RL loop of each compared
+Owns workload generators with long tails and drift (`workloads`; they emit the trace format of
+`libra.trace`, which real runs record and the simulator replays), the simulated instance
+(`instance`: continuous batching with vLLM-style chunked prefill under a per-step token budget,
+over the planner's rollout cost model), the event engine (`engine`), the RL loop of each compared
 policy (`loop`, `pools`; a re-plan that changes the buckets updates the router's at run time),
 metrics, the markdown/PNG report, the calibration path (`calibration`) and the validation
 against real runs (`validation`: calibrate on a `libra run` folder, replay its trajectories,
@@ -22,14 +22,6 @@ from libra.sim.config import (
 )
 from libra.sim.metrics import SimResult
 from libra.sim.runner import Comparison, run_comparison
-from libra.sim.trace import (
-    TrajectoryTrace,
-    TurnTiming,
-    TurnTrace,
-    read_traces,
-    trace_from_trajectory,
-    write_traces,
-)
 from libra.sim.workloads import WORKLOADS, WorkloadConfig, WorkloadGenerator
 
 __all__ = [
@@ -42,14 +34,8 @@ __all__ = [
     "PolicySpec",
     "SimConfig",
     "SimResult",
-    "TrajectoryTrace",
-    "TurnTiming",
-    "TurnTrace",
     "WorkloadConfig",
     "WorkloadGenerator",
     "load_sim_config",
-    "read_traces",
     "run_comparison",
-    "trace_from_trajectory",
-    "write_traces",
 ]

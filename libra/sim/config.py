@@ -2,23 +2,26 @@
 moving things around, and the policies to compare.
 
 A simulation config file is a Python file defining `sim_config() -> SimConfig`
-(`configs/sim_*.py`); `libra simulate CONFIG` runs it. `SimConfig` is also the `sim` section the
-lead may add to `LibraConfig`.
+(`configs/sim_*.py`); `libra simulate CONFIG` runs it, read by the one config-file loader
+(`libra.config.load_from_file`). It is a document of its own, not a section of `LibraConfig`: it
+describes a cluster, model and workload to simulate and the systems to compare on them, where a
+run's config describes the one job that runs on the cluster at hand.
 """
 
 from __future__ import annotations
 
 import enum
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from libra.backends.base import HardwareProfile
 from libra.backends.profiles import A800_SXM4_80GB, ASCEND_910B, H100_SXM_80GB, H200_SXM_141GB
+from libra.config import load_from_file
 from libra.planner.config import QWEN3_14B, ClusterSpec, ModelArch, PlannerConfig, TrainingBatch
 from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.cpu_reference import cpu_profile
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
+from libra.scheduler.factory import RouterKind
 from libra.sim.workloads import WorkloadConfig
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -46,12 +49,6 @@ class Pool(enum.Enum):
     FIXED_PATTERN = "fixed_pattern"
     """The original's hand-made layout: 2/3 of the nodes train, each rollout node holds TP sizes
     `SimConfig.fixed_node_pattern`."""
-
-
-class RouterKind(enum.Enum):
-    LEAST_LOAD = "least_load"
-    LENGTH_MLFQ = "length_mlfq"
-    CMLFQ = "cmlfq"
 
 
 @dataclass(frozen=True)
@@ -325,17 +322,5 @@ def vllm_max_num_batched_tokens(profile: HardwareProfile, usage: str, world_size
 
 
 def load_sim_config(path: str | Path) -> SimConfig:
-    """Runs `sim_config()` from a Python file (what `libra simulate CONFIG` reads)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"no simulation config file at {path}")
-    spec = importlib.util.spec_from_file_location(f"_libra_sim_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    build = getattr(module, "sim_config", None)
-    if build is None:
-        raise ValueError(f"{path} must define sim_config() -> SimConfig")
-    config = build()
-    if not isinstance(config, SimConfig):
-        raise ValueError(f"{path}: sim_config() returned {type(config).__name__}, not SimConfig")
-    return config
+    """`sim_config()` of a Python config file (what `libra simulate CONFIG` reads)."""
+    return load_from_file(path, "sim_config", SimConfig)

@@ -25,7 +25,7 @@ from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.scheduler.interface import Decision, Router
 from libra.scheduler.tool_state import ToolReturnState
 from libra.sim.instance import Instance, Sequence, StepCoefficients
-from libra.sim.trace import TrajectoryTrace
+from libra.trace import TrajectoryTrace
 
 
 @dataclass(eq=False)

@@ -30,9 +30,8 @@ from libra.planner.planner import Planner
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
 from libra.planner.triggers import StepObservation
-from libra.scheduler.baselines import LeastLoadRouter, LengthMlfqRouter
-from libra.scheduler.cmlfq import CmlfqRouter
-from libra.sim.config import Mode, PolicySpec, RouterKind, SimConfig
+from libra.scheduler.factory import make_router
+from libra.sim.config import Mode, PolicySpec, SimConfig
 from libra.sim.engine import LiveTrajectory, RolloutCluster, instance_weight
 from libra.sim.metrics import DeviceLedger, SimResult, StepRecord, tail_share
 from libra.sim.pools import (
@@ -44,20 +43,11 @@ from libra.sim.pools import (
     plan_buckets,
     planning_problem,
 )
-from libra.sim.trace import TrajectoryTrace
 from libra.sim.workloads import WorkloadGenerator
+from libra.trace import TrajectoryTrace
 
 PREFLIGHT_GROUP_OFFSET = 10_000_000
 """Preflight groups are drawn from indices no run uses."""
-
-
-def record_of(trace: TrajectoryTrace) -> RequestRecord:
-    return RequestRecord(
-        prompt_tokens=trace.prompt_tokens + trace.payload_tokens,
-        output_tokens=trace.output_tokens,
-        num_turns=len(trace.turns),
-        tool_time_s=trace.tool_time_s,
-    )
 
 
 def preflight_history(config: SimConfig) -> tuple[RequestRecord, ...]:
@@ -65,7 +55,7 @@ def preflight_history(config: SimConfig) -> tuple[RequestRecord, ...]:
     generator = WorkloadGenerator(config.workload)
     groups = math.ceil(config.history_size / config.workload.group_size)
     traces = [t for i in range(groups) for t in generator.group(PREFLIGHT_GROUP_OFFSET + i, 0.0)]
-    return tuple(record_of(t) for t in traces[: config.history_size])
+    return tuple(RequestRecord.from_trace(t) for t in traces[: config.history_size])
 
 
 class PolicyRun:
@@ -96,11 +86,7 @@ class PolicyRun:
         )
         total_weight = sum(instance_weight(rollout_cost, i.tp) for i in layout.instances)
         cmlfq_config = layout.cmlfq_config(derived_queue_length(config, policy, total_weight))
-        router = {
-            RouterKind.CMLFQ: CmlfqRouter,
-            RouterKind.LENGTH_MLFQ: LengthMlfqRouter,
-            RouterKind.LEAST_LOAD: LeastLoadRouter,
-        }[policy.router](cmlfq_config)
+        router = make_router(policy.router, cmlfq_config)
         self.cluster = RolloutCluster(
             router,
             cmlfq_config,
@@ -167,7 +153,7 @@ class PolicyRun:
 
     def _on_finish(self, traj: LiveTrajectory) -> None:
         self.finished += 1
-        self.history.append(record_of(traj.trace))
+        self.history.append(RequestRecord.from_trace(traj.trace))
         self.handle_finish(traj)
 
     def handle_finish(self, traj: LiveTrajectory) -> None:
@@ -569,4 +555,4 @@ def run_policy(config: SimConfig, name: str, history=None, plan=None) -> SimResu
     return simulate(config, policy, build_layout(config, policy, history, plan), history)
 
 
-__all__ = ["TriggerPolicy", "preflight_history", "record_of", "run_policy", "simulate"]
+__all__ = ["TriggerPolicy", "preflight_history", "run_policy", "simulate"]

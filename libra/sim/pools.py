@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from libra.planner.config import HybridPoolLimits, PlanningProblem, RequestRecord, TrainingBatch
+from libra.planner.config import PlanningProblem, RequestRecord, TrainingBatch
 from libra.planner.plan import Plan, RolloutInstance, place_rollout
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.search import search
@@ -26,6 +26,7 @@ from libra.planner.training_cost import (
 )
 from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
+from libra.training.elastic import HybridPoolLimits
 
 _MAX_TOKENS = 2**31 - 1
 DEFAULT_THRESHOLDS = {1: 4000, 2: 12000, 4: 30000, 8: 40960}

@@ -2,7 +2,7 @@
 copy of its cluster, calibrated on that run's own measurements, and compare step times.
 
 A run folder written by `libra run` holds what this needs:
-- `trajectories.jsonl`: every trajectory in the trace format (`libra.sim.trace`);
+- `trajectories.jsonl`: every trajectory in the trace format (`libra.trace`);
 - `metrics.jsonl`: per training step its wall interval (`step_time_s`), the training and weight
   publication times, and the trajectories consumed;
 - `occupancy.jsonl`: once a second, the live trajectories per bucket and the generated tokens/s;
@@ -30,6 +30,7 @@ from libra.planner.config import ModelArch, PlannerConfig, RequestRecord, Traini
 from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.plan import place_rollout
 from libra.planner.training_cost import TrainingConfig
+from libra.scheduler.factory import RouterKind
 from libra.sim.calibration import (
     Calibration,
     DecodeSample,
@@ -37,12 +38,12 @@ from libra.sim.calibration import (
     decode_measurements,
     train_measurements,
 )
-from libra.sim.config import Mode, PolicySpec, Pool, RouterKind, SimConfig
-from libra.sim.loop import AsyncRun, record_of
+from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
+from libra.sim.loop import AsyncRun
 from libra.sim.metrics import SimResult
 from libra.sim.pools import Layout
-from libra.sim.trace import TrajectoryTrace, read_traces
 from libra.sim.workloads import WorkloadConfig
+from libra.trace import TrajectoryTrace, read_traces
 
 REPLAY_POLICY = PolicySpec(
     "replay", Mode.DISAGGREGATED_ASYNC, Pool.PLANNED, RouterKind.CMLFQ, description="a real run, replayed"
@@ -74,6 +75,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
     steps = tuple(sorted(_jsonl(run_dir / "metrics.jsonl"), key=lambda row: row["step"]))
     if len(steps) < 2:
         raise ValueError(f"{run_dir}/metrics.jsonl has {len(steps)} steps; the comparison needs 2 or more")
+    # The string of `libra.job.recorder.JobEvent.STARTED`: the run folder is the contract (the job
+    # sits above the simulator, which reads its files and imports none of it).
     started = next((e for e in _jsonl(run_dir / "events.jsonl") if e.get("kind") == "started"), None)
     if started is None or "model" not in started:
         raise ValueError(f"{run_dir}/events.jsonl has no `started` event naming the model")
@@ -249,7 +252,7 @@ def validate_run(
         n_train, config.num_devices, config.devices_per_node, [1] * record.num_rollout_instances
     )
     layout = Layout(training, tuple(range(n_train)), instances, (1, 2), (256, 4096))
-    history = tuple(record_of(t) for t in record.traces)
+    history = tuple(RequestRecord.from_trace(t) for t in record.traces)
     run = AsyncRun(config, REPLAY_POLICY, layout, _history(history, config.history_size))
     run.generator = _Replay(record.traces)
     run.run()

@@ -27,7 +27,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from libra.sim.trace import TrajectoryTrace, TurnTrace
+from libra.trace import TrajectoryTrace, TurnTrace
 from libra.trajectory import ToolStatus
 
 

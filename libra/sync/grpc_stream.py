@@ -18,8 +18,8 @@ import grpc
 import numpy as np
 import torch
 
-from libra.config import ControlConfig
 from libra.control.auth import open_channel
+from libra.control.config import ControlConfig
 from libra.control.server import RunningServer, rpc_errors, start_server
 from libra.sync.transport import BufferManifest, TransferError, WeightReceiver, WeightSender
 from libra.v1 import sync_pb2, sync_pb2_grpc

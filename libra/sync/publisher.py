@@ -12,9 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from libra.sync.executor import execute
 from libra.sync.layouts import SourceKey
@@ -28,7 +26,8 @@ from libra.sync.transport import (
     checksum,
 )
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+if TYPE_CHECKING:
+    import torch
 
 
 def buffer_key(tp_size: int, rank: int) -> str:
@@ -65,8 +64,7 @@ class WeightPublisher:
         num_threads: int = 1,
         checksum_algorithm: str = "xor64",
     ) -> None:
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES)}, got {dtype}")
+        self.dtype_name = _dtype_name(dtype)
         if checksum_algorithm not in CHECKSUMS:
             raise ValueError(f"checksum_algorithm must be one of {CHECKSUMS}, got {checksum_algorithm!r}")
         for tp_size, plan in plans.items():
@@ -118,7 +116,7 @@ class WeightPublisher:
         return BufferManifest(
             version=version,
             key=key,
-            dtype=_DTYPE_NAMES[self.dtype],
+            dtype=self.dtype_name,
             num_bytes=plan.rank_bytes(rank),
             buckets=tuple(digests),
             params=tuple(plan.params(rank)),
@@ -127,6 +125,17 @@ class WeightPublisher:
 
     def release(self, version: int) -> None:
         self.sender.release(version)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    # torch is imported here, not at the top: `libra.sync` is imported by processes that only read
+    # manifests (the controller's, through the root config), and they need no torch.
+    import torch
+
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {list(names)}, got {dtype}")
+    return names[dtype]
 
 
 def _check_plan(tp_size: int, plan: TransferPlan, dtype: torch.dtype) -> None:

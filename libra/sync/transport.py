@@ -18,19 +18,24 @@ at memory speed; `crc32` (zlib) is stronger against bit errors but ~4x slower he
 
 from __future__ import annotations
 
+import sys
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 
 from libra.sync.plan import ParamSlot
 
+if TYPE_CHECKING:
+    import torch
+
 CHECKSUMS = ("xor64", "crc32")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+"""The element types a manifest may name (torch's names). torch is imported only where tensors are
+handled: processes that only read manifests (the controller's, an instance client's) load none."""
 
 
 class TransferError(RuntimeError):
@@ -52,10 +57,11 @@ def checksum(data: torch.Tensor | np.ndarray, algorithm: str) -> int:
 
 
 def _bytes_view(data: torch.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(data, torch.Tensor):
+    torch_module = sys.modules.get("torch")  # a tensor implies torch is loaded
+    if torch_module is not None and isinstance(data, torch_module.Tensor):
         if not data.is_contiguous() or data.device.type != "cpu":
             raise ValueError("checksum needs a contiguous CPU tensor")
-        data = data.view(torch.uint8).reshape(-1).numpy()
+        data = data.view(torch_module.uint8).reshape(-1).numpy()
     return data.reshape(-1).view(np.uint8)
 
 
@@ -100,7 +106,9 @@ class BufferManifest:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain lists and ints: what vLLM's collective_rpc serializer carries to its workers."""
@@ -132,6 +140,8 @@ class BufferManifest:
 def verify_staged(staged: torch.Tensor, manifest: BufferManifest) -> None:
     """Raises TransferError unless `staged` (uint8) has the manifest's size and every bucket's
     checksum; the one gate between a transfer and the live parameters."""
+    import torch
+
     if staged.dtype != torch.uint8 or staged.dim() != 1:
         raise TransferError(f"{manifest.key} v{manifest.version}: staged buffer must be flat uint8")
     if staged.numel() != manifest.num_bytes:

@@ -166,13 +166,20 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("LIBRA_CACHE_DIR", Path.home() / ".cache" / "libra")) / "tiny-models"
 
 
+def warm_start_dir(config: WarmStartConfig | None = None, cache_root: str | Path | None = None) -> Path:
+    """Where `cached_warm_start` keeps the model of `config`; it is built when `REPORT_FILE` is
+    there."""
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    return root / cache_key(config or WarmStartConfig())
+
+
 def cached_warm_start(config: WarmStartConfig | None = None, cache_root: str | Path | None = None) -> Path:
     """The warm-started model folder for `config`, built once per cache (concurrent callers wait
     on a lock; a half-built folder is never visible)."""
     config = config or WarmStartConfig()
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    final = warm_start_dir(config, cache_root)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / cache_key(config)
     with open(root / f"{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / REPORT_FILE).is_file():

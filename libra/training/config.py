@@ -89,8 +89,10 @@ class TrainingConfig:
     max_staleness: int = 1
     """Trajectories whose oldest token came from a policy more than this many versions behind the
     trainer are dropped; also bounds how many rollouts may be in flight."""
-    train_batch_size: int = 64
-    """Trajectories consumed per train step (the staleness gate's capacity unit)."""
+    train_batch_size: int | None = None
+    """Trajectories consumed per train step (the staleness gate's capacity unit). In a run's config
+    it is derived, `job.prompts_per_step x job.group_size` (`LibraConfig.resolved`): leave it
+    None there (a different value is an error). A trainer run on its own must state it."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) before training."""
     use_distributed_optimizer: bool = True
@@ -112,11 +114,12 @@ class TrainingConfig:
             "pipeline_parallel",
             "data_parallel",
             "num_minibatches",
-            "train_batch_size",
             "max_tokens_per_microbatch",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.train_batch_size is not None and self.train_batch_size < 1:
+            raise ValueError(f"training.train_batch_size must be >= 1 (or None), got {self.train_batch_size}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"training.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.lr <= 0:

@@ -99,6 +99,11 @@ class TrainEngine:
                 f"process groups are TP={info.tp_size} PP={info.pp_size} DP={info.dp_size} but the config "
                 f"asks for TP={cfg.tensor_parallel} PP={cfg.pipeline_parallel} DP={cfg.data_parallel}"
             )
+        if cfg.train_batch_size is None:
+            raise ValueError(
+                "training.train_batch_size is unset: state it, or start the trainer from a run's "
+                "resolved config (LibraConfig.resolved derives it from the job's batch)"
+            )
         self.arch, self.cfg, self.info = arch, cfg, info
         self.device = device or torch.device("cpu")
         self.dtype = _DTYPES[cfg.dtype]

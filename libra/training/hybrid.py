@@ -5,7 +5,7 @@
 The core pool is its own torch.distributed world and is never rebuilt; each hybrid replica is a
 separate process with its own world, connected to its paired core rank by one TCP channel
 (`grad_channel`). Every core rank holds a lane, so a core of DP = D takes up to D hybrid replicas,
-hybrid replica D + r pairing with core DP rank r. The protocol follows `libra.planner.elastic`:
+hybrid replica D + r pairing with core DP rank r. The protocol follows `libra.training.elastic`:
 
 - REQUESTED: the hybrid process starts (on devices taken from rollout) and says hello.
 - FETCHING_STATE: at the next step boundary the core snapshots its state (weights, staleness
@@ -56,9 +56,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from libra.planner.config import HybridPoolLimits
-from libra.planner.controls import HybridJoin
-from libra.planner.elastic import TERMINAL_STATES, ElasticConfig, HybridPool, PayloadHeader, ReplicaState
+from libra.training.elastic import (
+    TERMINAL_STATES,
+    ElasticConfig,
+    HybridJoin,
+    HybridPool,
+    HybridPoolLimits,
+    PayloadHeader,
+    ReplicaState,
+)
 from libra.training.grad_channel import (
     Channel,
     Listener,

@@ -1,7 +1,6 @@
 """The train rank's gRPC service (`TrainRank`) and its process entry point.
 
-    python -m libra.training.worker --hf-model DIR --rank R --world-size W --master-port P \
-        [--tensor-parallel T] [--pipeline-parallel P] [--training JSON] [--port 0] [--port-file F]
+    python -m libra.training.worker --spec JSON        (a `TrainRankSpec`: `spec.to_argv()`)
 
 One process hosts one Megatron rank; global rank 0 also publishes the weights to rollout instances
 (`PublishWeights`, `libra.sync.trainer_publisher`). The controller calls every rank of the job with the same
@@ -12,23 +11,55 @@ The bearer token comes from LIBRA_TOKEN.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import sys
 import threading
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
+from libra.backends.config import BackendConfig
+from libra.control.config import ControlConfig
 from libra.control.convert import InvalidArgument
 from libra.control.server import rpc_errors
+from libra.launch_spec import ArgvSpec
 from libra.logs import configure_logging
 from libra.sync.config import SyncConfig
 from libra.sync.layouts import ModelShape
 from libra.sync.trainer_publisher import SourceRank, TrainerPublisher
 from libra.training.config import GrpoConfig, TrainingConfig
+from libra.training.elastic import ElasticConfig
 from libra.trajectory import TOOL_TOKEN_VERSION, Trajectory
+
+
+@dataclass(frozen=True)
+class TrainRankSpec(ArgvSpec):
+    """How to start one train rank. The layout is `training`'s parallel sizes (world size: their
+    product); the rank serves its gRPC service with `control`'s settings, TLS among them."""
+
+    module = "libra.training.worker"
+    hf_model: str
+    """HF model folder (config.json + safetensors) the rank loads."""
+    rank: int
+    master_port: int
+    training: TrainingConfig
+    master_addr: str = "127.0.0.1"
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight publication (rank 0 publishes)."""
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: any free port (see `port_file`)."""
+    port_file: str | None = None
+    """Written with the bound port once serving."""
+    elastic: ElasticConfig | None = None
+    """Host a lane of the elastic hybrid pool (PP=1 only)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.training.world_size:
+            raise ValueError(f"rank must be in 0..{self.training.world_size - 1}, got {self.rank}")
 
 
 def trajectory_from_proto(msg) -> Trajectory:
@@ -271,37 +302,15 @@ class TrainRankServicer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m libra.training.worker", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--hf-model", required=True, help="HF model folder (config.json + safetensors)")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--master-port", type=int, required=True)
-    parser.add_argument("--tensor-parallel", type=int, default=1)
-    parser.add_argument("--pipeline-parallel", type=int, default=1)
-    parser.add_argument("--training", default="", help="JSON object of TrainingConfig fields")
-    parser.add_argument("--sync", default="", help="JSON object of SyncConfig fields (weight publication)")
-    parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--port-file", default=None, help="written with the bound port once serving")
-    parser.add_argument(
-        "--elastic",
-        default=None,
-        help="JSON object of ElasticConfig fields: host a lane of the elastic hybrid pool (PP=1 only)",
-    )
-    args = parser.parse_args(argv)
-    configure_logging(f"train-rank-{args.rank}")
+    spec = TrainRankSpec.from_argv(sys.argv[1:] if argv is None else argv)
+    configure_logging(f"train-rank-{spec.rank}")
 
     from libra.backends import get_backend
 
-    backend = get_backend(args.backend)
+    backend = get_backend(spec.backend.name, **spec.backend.options())
     backend.prepare_worker()
     from transformers import AutoConfig
 
-    from libra.config import ControlConfig
     from libra.control.server import start_server
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
@@ -309,49 +318,43 @@ def main(argv: list[str] | None = None) -> None:
     from libra.training.parallel import initialize
     from libra.v1 import training_pb2, training_pb2_grpc
 
-    tp, pp = args.tensor_parallel, args.pipeline_parallel
-    cfg = training_config_from_json(
-        args.training, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=args.world_size // (tp * pp)
-    )
+    cfg = spec.training
     info = initialize(
-        tp,
-        pp,
-        rank=args.rank,
-        world_size=args.world_size,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
+        cfg.tensor_parallel,
+        cfg.pipeline_parallel,
+        rank=spec.rank,
+        world_size=cfg.world_size,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
         backend=backend.distributed_backend,
         seed=cfg.seed,
     )
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(args.hf_model))
+    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec.hf_model))
     engine = TrainEngine(arch, cfg, info, device=backend.torch_device(0))
-    engine.load_hf(hf_tensor_reader(args.hf_model))
+    engine.load_hf(hf_tensor_reader(spec.hf_model))
     token = os.environ.get("LIBRA_TOKEN")
     if not token:
         raise SystemExit("LIBRA_TOKEN must be set")
-    sync = SyncConfig(**(json.loads(args.sync) if args.sync else {}))
     source = SourceRank(info.rank, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.dp_rank)
     # The trainer's own vocab padding, which decides the source layout the plans strip.
-    publisher = TrainerPublisher(model_shape(arch), source, sync, VOCAB_DIVISIBLE_BY)
+    publisher = TrainerPublisher(model_shape(arch), source, spec.sync, VOCAB_DIVISIBLE_BY)
     lane = None
-    if args.elastic is not None:
-        from libra.planner.elastic import ElasticConfig
+    if spec.elastic is not None:
         from libra.training.hybrid import CoreLane, LaneControl
 
-        elastic = ElasticConfig(**(json.loads(args.elastic) if args.elastic else {}))
-        lane = LaneControl(CoreLane(engine, elastic, host=args.host))
+        lane = LaneControl(CoreLane(engine, spec.elastic, host=spec.host))
     servicer = TrainRankServicer(engine, publisher, lane)
 
     def add(server):
         training_pb2_grpc.add_TrainRankServicer_to_server(servicer, server)
         return [training_pb2.DESCRIPTOR.services_by_name["TrainRank"].full_name]
 
-    running = start_server(ControlConfig(), token, add, host=args.host, port=args.port)
-    if args.port_file:
-        tmp = Path(args.port_file + ".tmp")
+    running = start_server(spec.control, token, add, host=spec.host, port=spec.port)
+    if spec.port_file:
+        tmp = Path(spec.port_file + ".tmp")
         tmp.write_text(str(running.port))
-        tmp.rename(args.port_file)
-    print(f"train rank {args.rank} serving on {args.host}:{running.port}", flush=True)
+        tmp.rename(spec.port_file)
+    print(f"train rank {spec.rank} serving on {spec.host}:{running.port}", flush=True)
     # SIGTERM (the node agent stopping the worker) unwinds through `finally`, so the published
     # shared-memory buffers are unlinked instead of outliving the run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller
+from libra.control.config import ControlConfig
 from libra.control.types import AgentState
 from tests.control.helpers import HEARTBEAT_S, TOKEN, wait_for
 

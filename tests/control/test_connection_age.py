@@ -11,9 +11,11 @@ import time
 import grpc
 import pytest
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
 from libra.control import EventKind
 from libra.control.auth import bearer_metadata
+from libra.control.config import ControlConfig
 from libra.control.types import AgentState
 from tests.control.helpers import TOKEN
 

@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from libra.config import load_from_file
 from libra.control import Controller, WorkerState
-from libra.planner.config import load_problem
+from libra.control.auth import open_channel
+from libra.planner.config import PlanningProblem
+from libra.planner.service import serve_planner
+from libra.v1 import planner_pb2, planner_pb2_grpc
 from tests.control.helpers import TOKEN
 
 pytestmark = pytest.mark.multiprocess
@@ -23,13 +27,19 @@ PLANNING_PROBLEM = str(REPO / "configs" / "planner_qwen3_14b_48xa800.py")
 
 @pytest.fixture
 def controller(config, request):
-    """conftest's controller; indirectly parametrised with a planner config file, it also owns a
-    planner (and so serves PlannerService) whose initial plan is adopted."""
+    """conftest's controller; indirectly parametrised with a planner config file, it also serves a
+    planner (as the job does: PlannerService) whose initial plan is adopted."""
     problem_file = getattr(request, "param", None)
-    problem = load_problem(problem_file) if problem_file else None
-    controller = Controller(config, planning_problem=problem).start()
-    if controller.planner is not None:
-        controller.planner.initial_plan()
+    controller = Controller(config)
+    planner, services = None, []
+    if problem_file:
+        planner, service = serve_planner(
+            load_from_file(problem_file, "planning_problem", PlanningProblem), controller.events
+        )
+        services.append(service)
+    controller.start(services)
+    if planner is not None:
+        planner.initial_plan()
     yield controller
     controller.stop()
 
@@ -97,5 +107,6 @@ def test_external_controller_reads_and_proposes_the_plan(controller, spawn_agent
         r"^event #\d+ PLAN_APPLIED plan_version=2: v2: external plan: external controller", out, re.M
     ), out
     assert re.search(r"^planner: plan v2 applied: seen as event #\d+$", out, re.M), out
-    assert controller.planner.version == 2
+    stub = planner_pb2_grpc.PlannerServiceStub(open_channel(controller.address, TOKEN))
+    assert stub.GetPlan(planner_pb2.GetPlanRequest()).current.version == 2
     assert_worker_lifecycle_seen(out, agent.agent_id)

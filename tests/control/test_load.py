@@ -22,7 +22,7 @@ from libra.control.auth import bearer_metadata
 from libra.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from tests.control.helpers import TOKEN, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SWARMS, AGENTS_PER_SWARM, WATCHERS_PER_SWARM = 2, 500, 100

@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
 from libra.control import WorkerRole, WorkerSpec
+from libra.control.config import ControlConfig
 from tests.control.helpers import TOKEN, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -10,9 +10,10 @@ import sys
 import grpc
 import pytest
 
-from libra.config import ControlConfig, LibraConfig
+from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller
 from libra.control.auth import open_channel
+from libra.control.config import ControlConfig
 from libra.v1 import controller_pb2, controller_pb2_grpc
 from tests.control.helpers import TOKEN, wait_for
 

@@ -98,8 +98,10 @@ def _wait_for_agent(controller, agent: subprocess.Popen, timeout_s: float = 60) 
 def run_core_agent(spec: dict) -> None:
     import torch
 
-    from libra.config import BackendConfig, ControlConfig, LibraConfig
+    from libra.backends.config import BackendConfig
+    from libra.config import LibraConfig
     from libra.control import ClusterClient, Controller
+    from libra.control.config import ControlConfig
     from libra.planner.actions import ActionExecutor, ExecutorConfig
     from libra.planner.diff import (
         JoinHybridReplica,
@@ -107,7 +109,7 @@ def run_core_agent(spec: dict) -> None:
         StartRolloutInstance,
         StopRolloutInstance,
     )
-    from libra.planner.elastic import ElasticConfig, ReplicaState
+    from libra.training.elastic import ElasticConfig, ReplicaState
     from libra.training.hybrid import CoreLane, LaneControl
     from libra.training.parallel import shutdown
     from tests.elastic.ehp_job import batch_for_step, build_engine

@@ -103,7 +103,7 @@ def run_core(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from libra.planner.elastic import ElasticConfig, ReplicaState
+    from libra.training.elastic import ElasticConfig, ReplicaState
     from libra.training.hybrid import CoreLane
     from libra.training.parallel import shutdown
     from tests.training.jobs import free_port

@@ -39,6 +39,7 @@ _REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.slow,
     # Four elastic runs and a static run in the module fixture: minutes on a busy 2-core machine.
     pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),

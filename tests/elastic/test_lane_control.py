@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from libra.planner.controls import HybridControl, HybridJoin
-from libra.planner.elastic import ReplicaState
+from libra.planner.controls import HybridControl
+from libra.training.elastic import HybridJoin, ReplicaState
 from libra.training.hybrid import CoreLane, LaneControl
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from libra.planner.elastic import (
+from libra.training.elastic import (
     ElasticConfig,
     HybridPool,
     IllegalTransition,

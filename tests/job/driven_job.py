@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from libra.config import ControlConfig
+from libra.config import load_config
 from libra.control.auth import open_channel
+from libra.control.config import ControlConfig
 from libra.job.loop import GrpoJob, JobResult
 from libra.job.recorder import read_jsonl
-from libra.job.run import load_job_config
 from libra.v1 import planner_pb2_grpc
 
 LOST_OUTCOMES = {"error", "no_instance", "aborted", "running"}
@@ -61,13 +61,11 @@ def run_driven_job(
 ) -> JobResult:
     """Runs `configs/tiny_cpu.py` with `overrides` while `drive(run_dir, driver)` runs on a
     thread; `driver["stop"]` is set when the job ends, and the thread is joined."""
-    config, job_config = load_job_config(
-        "configs/tiny_cpu.py", [f"run_dir={run_dir}", *overrides, *model_overrides()]
-    )
+    config = load_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *overrides, *model_overrides()])
     thread = threading.Thread(target=drive, args=(run_dir, driver))
     thread.start()
     try:
-        return GrpoJob(config, job_config).run()
+        return GrpoJob(config).run()
     finally:
         driver["stop"] = True
         thread.join()

@@ -3,7 +3,9 @@ job's own (the train rank on device 0, a TP-1 instance on device 1) and a second
 the test (a TP-1 instance on device 2). The test SIGKILLs the second agent; its instance dies with
 it. The controller must detect the agent's loss (missed heartbeats), the job must reroute the
 instance's trajectories, not restart it on the dead node, drop it from the plan (the planner
-reconciled to the remaining devices) and finish every step with no trajectory lost.
+reconciled to the remaining devices) and finish every step with no trajectory lost. Once the job
+has ended, nothing that ran under a worker guard (the killed agent's vLLM engine among them) may
+still run, and no /dev/shm file those processes used may remain.
 
 Needs the cached warm-started policy (`tests/job/test_default_run.py`) and about two minutes.
 """
@@ -18,13 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from libra.config import ControlConfig
 from libra.control.client import ClusterClient
+from libra.control.config import ControlConfig
 from libra.control.types import AgentState
 from libra.job.recorder import read_jsonl
 from tests.job.driven_job import LOST_OUTCOMES, run_driven_job
+from tests.job.leftovers import RunWatch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.warm_start]
 
 NUM_STEPS = 30
 KILL_AFTER_STEP = 2
@@ -32,7 +35,6 @@ OVERRIDES = [
     f"job.num_steps={NUM_STEPS}",
     "job.prompts_per_step=2",
     "job.group_size=4",
-    "training.train_batch_size=8",
     "job.checkpoint_interval=0",
     "job.live_progress=false",
     "job.num_agents=2",
@@ -79,11 +81,17 @@ def fault() -> dict:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, fault) -> Path:
+def watch() -> RunWatch:
+    return RunWatch()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, fault, watch) -> Path:
     run_dir = tmp_path_factory.mktemp("agentloss") / "run"
     (run_dir / "logs").mkdir(parents=True)
     try:
-        result = run_driven_job(run_dir, OVERRIDES, _second_agent, fault)
+        with watch:
+            result = run_driven_job(run_dir, OVERRIDES, _second_agent, fault)
     finally:
         if "process" in fault and fault["process"].poll() is None:
             fault["process"].kill()
@@ -108,3 +116,11 @@ def test_run_finishes_with_no_trajectory_lost(run_dir):
     assert [s["step"] for s in steps] == list(range(1, NUM_STEPS + 1))
     samples = read_jsonl(run_dir / "samples.jsonl")
     assert not [s for s in samples if s["outcome"] in LOST_OUTCOMES], "trajectories were lost"
+
+
+def test_nothing_of_the_run_outlives_it(run_dir, watch):
+    seen = sorted({cmdline[:60] for cmdline in watch.processes.values()})
+    assert len(watch.engines) >= 2, f"the watch missed the two instances' vLLM engines: {seen}"
+    processes, shm_files = watch.leftovers(timeout_s=15.0)
+    assert processes == [], "processes of the run outlived it"
+    assert shm_files == [], "/dev/shm files of the run outlived it"

@@ -7,10 +7,11 @@ import json
 
 import pytest
 
+from libra.config import LibraConfig, load_config
 from libra.job.config import JobConfig
+from libra.job.recorder import JobEvent
 from libra.job.report import write_report
 from libra.job.rollouts import TaskStream, _last_model_turn
-from libra.job.run import load_job_config
 from libra.trajectory import Trajectory
 
 CONFIG = "configs/tiny_cpu.py"
@@ -22,8 +23,9 @@ CONFIG = "configs/tiny_cpu.py"
         (dict(num_steps=0), "job.num_steps"),
         (dict(group_size=1), "job.group_size"),
         (dict(router="fastest"), "job.router"),
-        (dict(rollout_tp_sizes="1,x"), "job.rollout_tp_sizes"),
-        (dict(rollout_tp_sizes="1,4"), "job.rollout_tp_sizes"),
+        (dict(rollout_tp_sizes="1,2"), "job.rollout_tp_sizes"),
+        (dict(rollout_tp_sizes=()), "job.rollout_tp_sizes"),
+        (dict(rollout_tp_sizes=(1, 0)), "job.rollout_tp_sizes"),
         (dict(checkpoint_interval=-1), "job.checkpoint_interval"),
     ],
 )
@@ -38,7 +40,7 @@ def test_unknown_router_lists_the_allowed_values():
 
 
 def test_config_file_and_overrides():
-    config, job = load_job_config(
+    config = load_config(
         CONFIG,
         [
             "job.num_steps=3",
@@ -49,23 +51,45 @@ def test_config_file_and_overrides():
             "training.lr=0.01",
         ],
     )
+    job = config.job
     assert (config.run_dir, job.num_steps, config.rollout.agent.temperature, config.training.lr) == (
         "/tmp/x",
         3,
         0.5,
         0.01,
     )
-    assert job.tp_sizes == [2, 1] and job.batch_size == config.training.train_batch_size
-    with pytest.raises(ValueError, match="unknown config option 'num_stepz'"):
-        load_job_config(CONFIG, ["job.num_stepz=3"])
+    assert job.rollout_tp_sizes == (2, 1) and config.training.train_batch_size == 8 * 8
+    assert load_config(CONFIG, ["job.rollout_tp_sizes=1,1,2"]).job.rollout_tp_sizes == (1, 1, 2)
+    with pytest.raises(ValueError, match="unknown config option 'job.num_stepz'"):
+        load_config(CONFIG, ["job.num_stepz=3"])
+    with pytest.raises(ValueError, match=r"'job.rollout_tp_sizes': cannot read 'x' as int"):
+        load_config(CONFIG, ["job.rollout_tp_sizes=1,x"])
 
 
-def test_batch_size_must_match_the_trainer():
-    from libra.job.loop import GrpoJob
+def test_the_train_batch_is_derived_from_the_jobs_and_a_conflict_names_both():
+    config = load_config(CONFIG, ["job.group_size=4", "job.prompts_per_step=3"])
+    assert config.training.train_batch_size == 12
+    assert config.resolved() == config  # idempotent
+    assert load_config(CONFIG, ["training.train_batch_size=12", "job.group_size=4", "job.prompts_per_step=3"])
+    with pytest.raises(ValueError) as error:
+        load_config(CONFIG, ["training.train_batch_size=16", "job.group_size=4"])
+    assert (
+        "training.train_batch_size (16) must equal job.prompts_per_step x job.group_size (8 x 4 = 32)"
+        in str(error.value)
+    )
+    # A config built in code is completed by the job (GrpoJob calls `resolved`).
+    assert LibraConfig().training.train_batch_size is None
+    assert LibraConfig().resolved().training.train_batch_size == 64
 
-    config, job = load_job_config(CONFIG, ["job.group_size=4"])
-    with pytest.raises(ValueError, match="training.train_batch_size"):
-        GrpoJob(config, job)
+
+def test_each_rollout_tp_size_needs_a_scheduler_bucket():
+    with pytest.raises(ValueError) as error:
+        load_config(CONFIG, ["job.rollout_tp_sizes=1,4"])
+    assert (
+        "job.rollout_tp_sizes has TP sizes [4] without a bucket; scheduler.buckets have TP sizes [1, 2]"
+        in str(error.value)
+    )
+    assert load_config(CONFIG, ["scheduler.max_queue_length=4"]).scheduler.max_queue_length == 4
 
 
 def test_task_stream_is_a_seeded_permutation_per_epoch_and_resumable():
@@ -166,9 +190,9 @@ def test_prometheus_endpoint_serves_the_step_metrics():
         metrics.on_step(StepMetrics(**{**values, "step": 3, "mean_reward": 0.25, "num_dropped_stale": 2}))
         two = {"0": InstanceSample(2, "long", 1, 80.0, 0.5), "1": InstanceSample(1, "short", 5, 43.0, 0.25)}
         metrics.on_occupancy(sample(two, 4))
-        metrics.on_event("instance_lost", {})
-        metrics.on_event("plan_applied", {"plan_version": 2})
-        metrics.on_event("plan_rejected", {"plan_version": 2})
+        metrics.on_event(JobEvent.INSTANCE_LOST, {})
+        metrics.on_event(JobEvent.PLAN_APPLIED, {"plan_version": 2})
+        metrics.on_event(JobEvent.PLAN_REJECTED, {"plan_version": 2})
         text = scrape()
         metrics.on_occupancy(sample({"1": two["1"]}, 7))  # instance 0 gone, three more migrations
         later = scrape()
@@ -195,3 +219,17 @@ def test_prometheus_endpoint_serves_the_step_metrics():
     assert "libra_migrations_total 7.0" in later
     assert 'instance="0"' not in later
     assert 'libra_instance_tokens_per_second{bucket="short",instance="1",tp="1"} 43.0' in later
+
+
+def test_events_are_recorded_under_their_kinds_string(tmp_path):
+    from libra.job.planning import HYBRID_STATE_EVENTS
+    from libra.job.recorder import RunRecorder, read_jsonl
+    from libra.training.elastic import ReplicaState
+
+    recorder = RunRecorder(tmp_path, tensorboard=False)
+    recorder.event(JobEvent.HYBRID_ROLLED_BACK, "hybrid replica 1 rolled back", replica=1)
+    recorder.close()
+    (row,) = read_jsonl(tmp_path / "events.jsonl")
+    assert (row["kind"], row["replica"]) == ("hybrid_rolled_back", 1) and type(row["kind"]) is str
+    # Every state a hybrid lane reports has its event kind.
+    assert set(HYBRID_STATE_EVENTS) == set(ReplicaState)

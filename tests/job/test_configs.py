@@ -7,22 +7,19 @@ field and the allowed values.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-from libra.config import LibraConfig
-from libra.job.config import JobConfig
+from libra.config import LibraConfig, load_config, load_definitions, load_from_file
 from libra.job.loop import GrpoJob
 from libra.job.rollouts import TOOLS_BY_TASK_TYPE
-from libra.job.run import load_job_config
-from libra.planner.config import load_problem
+from libra.planner.config import PlanningProblem
 from libra.sim.config import load_sim_config
 from libra.tasks.datasets import TaskType
 
 CONFIGS = sorted(Path("configs").glob("*.py"))
-JOB_CONFIGS = [p for p in CONFIGS if "def job()" in p.read_text()]
+JOB_CONFIGS = [p for p in CONFIGS if "def config()" in p.read_text()]
 GPU_JOB_CONFIGS = ["qwen3_4b_r2e", "qwen3_14b_r2e", "qwen25_7b_dapo", "search_r1"]
 TASK_TYPE_OF_SHAPE = {
     "dapo_math": TaskType.MATH,
@@ -31,32 +28,26 @@ TASK_TYPE_OF_SHAPE = {
 }
 
 
-def _module(path: Path):
-    spec = importlib.util.spec_from_file_location(f"_test_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def consistency_problems(path: Path, config: LibraConfig, job: JobConfig) -> list[str]:
+def consistency_problems(path: Path, config: LibraConfig) -> list[str]:
     """What is inconsistent in a job config, each naming the field to change."""
-    module = _module(path)
+    facts = load_definitions(path)  # what the file states beside config(): MODEL, NUM_NODES, ...
+    job = config.job
     problems = []
     training, instance, agent = config.training, config.rollout.instance, config.rollout.agent
     # Devices: the train ranks and every rollout instance's TP size must fit the cluster.
     if config.backend.name == "cpu":
         devices = config.backend.num_devices
     else:
-        devices = module.NUM_NODES * module.DEVICES_PER_NODE
-        if job.num_agents != module.NUM_NODES:
+        devices = facts["NUM_NODES"] * facts["DEVICES_PER_NODE"]
+        if job.num_agents != facts["NUM_NODES"]:
             problems.append(
-                f"job.num_agents ({job.num_agents}) must be the number of nodes ({module.NUM_NODES})"
+                f"job.num_agents ({job.num_agents}) must be the number of nodes ({facts['NUM_NODES']})"
             )
-    needed = training.world_size + sum(job.tp_sizes)
+    needed = training.world_size + sum(job.rollout_tp_sizes)
     if devices is not None and needed > devices:
         problems.append(
             f"training (TP x PP x DP = {training.world_size}) + job.rollout_tp_sizes "
@@ -79,7 +70,7 @@ def consistency_problems(path: Path, config: LibraConfig, job: JobConfig) -> lis
             problems.append(
                 f"tools.enabled ({config.tools.enabled}) lacks {missing} for {config.tasks.dataset_shape}"
             )
-    model = getattr(module, "MODEL", None)
+    model = facts.get("MODEL")
     if model is None:
         return problems
     # The model: Megatron splits query and KV heads over TP; vLLM splits query heads and splits
@@ -96,13 +87,13 @@ def consistency_problems(path: Path, config: LibraConfig, job: JobConfig) -> lis
             f"{model.num_layers} layers"
         )
     rollout_tp_allowed = [d for d in _divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]
-    bad = sorted({tp for tp in job.tp_sizes if tp not in rollout_tp_allowed})
+    bad = sorted({tp for tp in job.rollout_tp_sizes if tp not in rollout_tp_allowed})
     if bad:
         problems.append(f"job.rollout_tp_sizes has {bad}; allowed TP sizes are {rollout_tp_allowed}")
-    if instance.max_model_len > module.MODEL_MAX_POSITIONS:
+    if instance.max_model_len > facts["MODEL_MAX_POSITIONS"]:
         problems.append(
             f"rollout.instance.max_model_len ({instance.max_model_len}) exceeds the model's "
-            f"{module.MODEL_MAX_POSITIONS} positions"
+            f"{facts['MODEL_MAX_POSITIONS']} positions"
         )
     return problems
 
@@ -110,36 +101,36 @@ def consistency_problems(path: Path, config: LibraConfig, job: JobConfig) -> lis
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_config_file_loads(path):
     text = path.read_text()
-    if "def job()" in text:
-        config, job = load_job_config(path)
-        GrpoJob(config, job)  # the job's own checks (batch size, dataset and model)
+    if "def config()" in text:
+        GrpoJob(load_config(path))  # the job's own checks
     elif "def sim_config()" in text:
         load_sim_config(path)
     else:
         assert "def planning_problem()" in text, f"{path}: no loader knows this file"
-        load_problem(path)
+        load_from_file(path, "planning_problem", PlanningProblem)
 
 
 @pytest.mark.parametrize("path", JOB_CONFIGS, ids=[p.stem for p in JOB_CONFIGS])
 def test_every_job_config_is_consistent(path):
-    config, job = load_job_config(path)
-    assert consistency_problems(path, config, job) == []
+    assert consistency_problems(path, load_config(path)) == []
 
 
 def test_the_gpu_configs_are_real_cluster_configs():
     for name in GPU_JOB_CONFIGS:
         path = Path("configs") / f"{name}.py"
-        config, job = load_job_config(path)
+        config = load_config(path)
+        job = config.job
         assert config.backend.name == "cuda" and not job.spawn_agent
         assert config.training.dtype == "bfloat16" and config.rollout.instance.dtype == "bfloat16"
         # Megatron's production path: fp32 main parameters and Adam state sharded over DP.
         assert config.training.use_distributed_optimizer and config.training.overlap_grad_reduce
         assert config.tasks.dataset_path and job.model
         # Heterogeneous TP buckets: the point of C-MLFQ.
-        assert len(set(job.tp_sizes)) >= 2 and len(job.scheduler.buckets) >= 2
-        devices = _module(path).NUM_NODES * _module(path).DEVICES_PER_NODE
+        assert len(set(job.rollout_tp_sizes)) >= 2 and len(config.scheduler.buckets) >= 2
+        facts = load_definitions(path)
+        devices = facts["NUM_NODES"] * facts["DEVICES_PER_NODE"]
         # The cluster is used whole: what the trainer does not take serves rollouts.
-        assert config.training.world_size + sum(job.tp_sizes) == devices
+        assert config.training.world_size + sum(job.rollout_tp_sizes) == devices
 
 
 @pytest.mark.parametrize(
@@ -153,8 +144,7 @@ def test_the_gpu_configs_are_real_cluster_configs():
         (
             "qwen3_4b_r2e",
             "job.rollout_tp_sizes=1,8",
-            "job.rollout_tp_sizes has TP sizes [8] without a bucket; "
-            "job.scheduler.buckets have TP sizes [1, 2]",
+            "job.rollout_tp_sizes has TP sizes [8] without a bucket; scheduler.buckets have TP sizes [1, 2]",
         ),
         (
             "qwen25_7b_dapo",
@@ -173,7 +163,7 @@ def test_the_gpu_configs_are_real_cluster_configs():
 )
 def test_a_bad_value_names_the_field_and_the_allowed_values(name, override, message):
     with pytest.raises(ValueError) as error:
-        load_job_config(Path("configs") / f"{name}.py", [override])
+        load_config(Path("configs") / f"{name}.py", [override])
     assert message in str(error.value)
 
 
@@ -194,10 +184,5 @@ def test_a_bad_value_names_the_field_and_the_allowed_values(name, override, mess
 )
 def test_an_inconsistent_config_is_named(name, override, message):
     path = Path("configs") / f"{name}.py"
-    if override.startswith("tools.enabled"):
-        # A list field has no command-line form: change the loaded config instead.
-        config, job = load_job_config(path)
-        config.tools.enabled = ["python"]
-    else:
-        config, job = load_job_config(path, [override])
-    assert any(message in problem for problem in consistency_problems(path, config, job))
+    config = load_config(path, [override])
+    assert any(message in problem for problem in consistency_problems(path, config))

@@ -1,7 +1,10 @@
-"""The controller killed (issue #10): `libra run` — the controller lives in the job's process — is
-SIGKILLed after a checkpoint; its node agent and workers go with it; `libra run CONFIG --resume
-RUN_DIR` restores model, optimizer, data position, router state and staleness gate from the last
-checkpoint and runs to the end. Real processes through the CLI, a tiny batch.
+"""The controller killed (issues #10, #22): `libra run` — the controller lives in the job's
+process — is SIGKILLed after step 2, before its first periodic checkpoint (every 10 steps); its
+node agent and workers go with it; `libra run CONFIG --resume RUN_DIR` restores the checkpoint of
+the starting state (model, optimizer, data position, router state and staleness gate) and runs to
+the end. The run folder then holds every step and trajectory id once, one held-out evaluation
+before and one after, and what the killed run recorded after the checkpoint under `superseded/`.
+Real processes through the CLI, a tiny batch.
 """
 
 from __future__ import annotations
@@ -18,19 +21,19 @@ import pytest
 
 from libra.job.recorder import read_jsonl
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(600)]
 
-NUM_STEPS = 6
-KILL_AFTER_CHECKPOINT = 2
+NUM_STEPS = 5
+KILL_AFTER_STEP = 2
 OVERRIDES = [
     f"job.num_steps={NUM_STEPS}",
     "job.prompts_per_step=4",
     "job.group_size=4",
-    "training.train_batch_size=16",
     "training.num_minibatches=1",
-    f"job.checkpoint_interval={KILL_AFTER_CHECKPOINT}",
+    "job.checkpoint_interval=10",
     "job.live_progress=false",
-    "job.eval_tasks=0",
+    "job.eval_tasks=2",
+    "job.eval_samples=2",
     "job.planner=false",
     # The 3-slot TP-1 layout: what this test exercises does not need the default's TP-2
     # instance, and it starts faster.
@@ -73,31 +76,33 @@ def killed_and_resumed(tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("crash") / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     job = subprocess.Popen(_libra_run(f"run_dir={run_dir}"), env=env, stdout=subprocess.DEVNULL)
-    checkpoint = run_dir / "checkpoints" / f"step_{KILL_AFTER_CHECKPOINT:06d}" / "job_state.json"
     deadline = time.monotonic() + 400
-    while not checkpoint.is_file():
-        assert job.poll() is None, f"the job ended before its checkpoint (exit {job.returncode})"
-        assert time.monotonic() < deadline, "no checkpoint within 400 s"
+    while len(read_jsonl(run_dir / "metrics.jsonl")) < KILL_AFTER_STEP:
+        assert job.poll() is None, f"the job ended before step {KILL_AFTER_STEP} (exit {job.returncode})"
+        assert time.monotonic() < deadline, f"no step {KILL_AFTER_STEP} within 400 s"
         time.sleep(0.2)
     agents = _children(job.pid)
     job.send_signal(signal.SIGKILL)
     job.wait()
+    checkpoints = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step_*/job_state.json"))
     steps_before = read_jsonl(run_dir / "metrics.jsonl")
     # The agent dies with the controller (parent-death signal), and its workers with it.
     deadline = time.monotonic() + 30
     while any(_alive(pid) for pid in agents) and time.monotonic() < deadline:
         time.sleep(0.2)
     orphans = [pid for pid in agents if _alive(pid)]
+    state = json.loads((run_dir / "checkpoints" / "step_000000" / "job_state.json").read_text())
     resumed = subprocess.run(
         _libra_run("--resume", str(run_dir)), env=env, capture_output=True, text=True, timeout=450
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return {
         "run_dir": run_dir,
+        "checkpoints": checkpoints,
         "steps_before": steps_before,
         "agents": agents,
         "orphans": orphans,
-        "state": json.loads(checkpoint.read_text()),
+        "state": state,
     }
 
 
@@ -106,31 +111,33 @@ def test_the_killed_controllers_workers_do_not_outlive_it(killed_and_resumed):
     assert killed_and_resumed["orphans"] == []
 
 
-def test_resume_continues_from_the_last_checkpoint_to_the_end(killed_and_resumed):
+def test_a_run_killed_before_its_first_periodic_checkpoint_resumes_from_its_start(killed_and_resumed):
     run_dir = killed_and_resumed["run_dir"]
-    events = read_jsonl(run_dir / "events.jsonl")
-    resume = [e for e in events if e["kind"] == "resume"]
-    assert len(resume) == 1 and f"version {KILL_AFTER_CHECKPOINT}" in resume[0]["message"]
-    steps = [s["step"] for s in read_jsonl(run_dir / "metrics.jsonl")]
-    before = len(killed_and_resumed["steps_before"])
-    # Steps recorded after the checkpoint by the killed run are run again from the checkpoint.
-    assert before >= KILL_AFTER_CHECKPOINT
-    assert steps[before:] == list(range(KILL_AFTER_CHECKPOINT + 1, NUM_STEPS + 1))
+    assert killed_and_resumed["checkpoints"] == ["step_000000"]
+    resume = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resume"]
+    assert len(resume) == 1 and "version 0" in resume[0]["message"]
     assert (run_dir / "checkpoints" / f"step_{NUM_STEPS:06d}" / "job_state.json").is_file()
-    # The data position came back: the resumed run drew from where the checkpoint stood.
     final = json.loads((run_dir / "checkpoints" / f"step_{NUM_STEPS:06d}" / "job_state.json").read_text())
-    assert final["data_position"] > killed_and_resumed["state"]["data_position"]
     assert final["version"] == NUM_STEPS
+    assert final["data_position"] > killed_and_resumed["state"]["data_position"]
     # The instances of the resumed run got the checkpoint's weights: their logprobs agree with
     # the trainer's.
-    resumed_steps = read_jsonl(run_dir / "metrics.jsonl")[before:]
-    assert all(s["logprob_abs_diff"] < 1e-3 for s in resumed_steps if s["num_current_tokens"] > 0)
+    assert all(
+        s["logprob_abs_diff"] < 1e-3 for s in read_jsonl(run_dir / "metrics.jsonl") if s["num_current_tokens"]
+    )
 
 
-def test_no_trajectory_of_the_resumed_run_is_lost(killed_and_resumed):
+def test_after_the_resume_every_step_and_trajectory_is_recorded_once(killed_and_resumed):
     run_dir = killed_and_resumed["run_dir"]
-    samples = read_jsonl(run_dir / "samples.jsonl")
-    resumed_at = next(e["time_s"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resume")
-    after = [s for s in samples if s["finished_s"] >= resumed_at]
-    assert len(after) >= (NUM_STEPS - KILL_AFTER_CHECKPOINT) * 16
-    assert not [s for s in after if s["outcome"] in LOST_OUTCOMES]
+    assert len(killed_and_resumed["steps_before"]) >= KILL_AFTER_STEP
+    assert [s["step"] for s in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, NUM_STEPS + 1))
+    assert not [s for s in read_jsonl(run_dir / "samples.jsonl") if s["outcome"] in LOST_OUTCOMES]
+    for name in ("samples", "trajectories"):
+        ids = [r["trajectory_id"] for r in read_jsonl(run_dir / f"{name}.jsonl")]
+        assert len(ids) == len(set(ids)) >= NUM_STEPS * 16, name
+    # What the killed run recorded after the checkpoint is kept aside, not mixed in.
+    superseded = [s["step"] for s in read_jsonl(run_dir / "superseded" / "metrics.jsonl")]
+    assert superseded == [s["step"] for s in killed_and_resumed["steps_before"]]
+    evaluations = read_jsonl(run_dir / "evaluations.jsonl")
+    assert [(e["when"], e["version"]) for e in evaluations] == [("before", 0), ("after", NUM_STEPS)]
+    assert f"- steps: {NUM_STEPS};" in (run_dir / "report.md").read_text()

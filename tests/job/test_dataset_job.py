@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from libra.config import load_config
 from libra.job.loop import GrpoJob
 from libra.job.recorder import read_jsonl
 from libra.job.rollouts import GroupRollout, _last_model_turn, load_dataset_tasks
-from libra.job.run import load_job_config
 from libra.rollout.chat import ChatFormat
 from libra.rollout.tools.config import CustomToolConfig, SandboxConfig, ToolsConfig
 from libra.tasks.config import TasksConfig
@@ -139,11 +139,8 @@ def test_dataset_tasks_need_their_task_types_tools(tmp_path):
 
 
 def test_a_dataset_job_needs_a_model(tmp_path):
-    config, job = load_job_config(
-        "configs/tiny_cpu.py", [f"tasks.dataset_path={_write_dataset(tmp_path / 'd.jsonl')}"]
-    )
     with pytest.raises(ValueError, match="tasks.dataset_path needs job.model"):
-        GrpoJob(config, job)
+        load_config("configs/tiny_cpu.py", [f"tasks.dataset_path={_write_dataset(tmp_path / 'd.jsonl')}"])
 
 
 # -- two job steps on the dataset ------------------------------------------------------------
@@ -161,7 +158,6 @@ def dataset_run(tmp_path_factory, tiny_model):
         f"job.num_steps={NUM_STEPS}",
         "job.prompts_per_step=2",
         "job.group_size=2",
-        "training.train_batch_size=4",
         "job.rollout_tp_sizes=1",
         "backend.num_devices=2",
         "job.checkpoint_interval=0",
@@ -175,7 +171,7 @@ def dataset_run(tmp_path_factory, tiny_model):
         # step that back-propagated through the trajectories shows a non-zero gradient norm.
         "training.grpo.entropy_coef=0.01",
     ]
-    config, job_config = load_job_config("configs/tiny_cpu.py", overrides)
+    config = load_config("configs/tiny_cpu.py", overrides)
     seen: list[tuple[TaskRecord, Trajectory, float]] = []
     real_reward = GroupRollout.reward
 
@@ -186,12 +182,13 @@ def dataset_run(tmp_path_factory, tiny_model):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(GroupRollout, "reward", spy)
-        result = GrpoJob(config, job_config).run()
+        result = GrpoJob(config).run()
     assert result.version == NUM_STEPS
     return Path(config.run_dir), seen
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_trajectories_come_from_the_datasets_prompts_in_the_models_template(dataset_run, tokenizer):
     run_dir, seen = dataset_run
     prompts = {f"{q}\n\n{INSTRUCTION}": answer for q, answer in PROBLEMS}
@@ -210,6 +207,7 @@ def test_trajectories_come_from_the_datasets_prompts_in_the_models_template(data
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_each_trajectory_is_rewarded_by_its_rows_math_rule(dataset_run, tokenizer):
     run_dir, seen = dataset_run
     recorded = {s["trajectory_id"]: s["reward"] for s in read_jsonl(run_dir / "samples.jsonl")}
@@ -228,6 +226,7 @@ def test_each_trajectory_is_rewarded_by_its_rows_math_rule(dataset_run, tokenize
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_the_trainer_steps_on_the_dataset_trajectories(dataset_run):
     run_dir, seen = dataset_run
     steps = read_jsonl(run_dir / "metrics.jsonl")

@@ -26,15 +26,15 @@ from pathlib import Path
 
 import pytest
 
-from libra.config import ControlConfig
 from libra.control.client import ClusterClient
+from libra.control.config import ControlConfig
 from libra.job.recorder import read_jsonl
 from libra.job.report import write_report
 from libra.v1 import planner_pb2
 from tests.job.driven_job import EXTERNALLY_PLANNED, LOST_OUTCOMES, planner_stub, run_driven_job, wait_for
 from tests.job.driven_job import events as _events
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.warm_start]
 
 NUM_STEPS = 56
 BATCH = 8
@@ -44,7 +44,6 @@ OVERRIDES = [
     f"job.num_steps={NUM_STEPS}",
     f"job.prompts_per_step={BATCH // GROUP}",
     f"job.group_size={GROUP}",
-    f"training.train_batch_size={BATCH}",
     # A core replica of TP 2, so the hybrid is two processes whose lanes must move as one; TP-1
     # instances start faster than the default's TP-2 one.
     "backend.num_devices=6",

@@ -12,39 +12,25 @@ from types import SimpleNamespace
 
 import pytest
 
-from libra.config import ControlConfig
+from libra.config import load_config
+from libra.control.config import ControlConfig
 from libra.control.events import EventBus
-from libra.control.types import AgentState, ClusterState, EventKind
-from libra.job.planning import (
-    JobPlanning,
-    RankHybridControl,
-    StepTimes,
-    cluster_spec,
-    model_arch,
-    planning_problem,
-    request_record,
-    unsupported,
-)
-from libra.job.run import load_job_config
+from libra.control.types import AgentState, ClusterState
+from libra.job.planning import JobPlanning, RankHybridControl, StepTimes, unsupported
+from libra.job.problem import cluster_spec, model_arch, planning_problem
 from libra.job.workers import Placement
 from libra.planner import Planner, RequestRecord
 from libra.planner.actions import ActionResult, ExecutionReport, Outcome, RunningWorker
-from libra.planner.controls import HybridJoin
 from libra.planner.device_map import DeviceMap
 from libra.planner.diff import JoinHybridReplica, ReleaseHybridReplica, StopRolloutInstance
-from libra.planner.elastic import ElasticConfig, HybridPool
 from libra.planner.plan import BucketPlan, Plan, RolloutInstance
+from libra.planner.service import publish_plan_events
 from libra.scheduler.baselines import LeastLoadRouter, RoundRobinRouter
 from libra.scheduler.config import BucketConfig
-from libra.sim.trace import TrajectoryTrace, TurnTrace
+from libra.trace import TrajectoryTrace, TurnTrace
+from libra.training.elastic import ElasticConfig, HybridJoin, HybridPool
 from tests.control.helpers import cpu_agent
 
-PLANNER_EVENTS = {
-    "applied": EventKind.PLAN_APPLIED,
-    "proposed": EventKind.PLAN_PROPOSED,
-    "rejected": EventKind.PLAN_REJECTED,
-    "vetoed": EventKind.PLAN_VETOED,
-}
 TINY_LLAMA = {
     "num_hidden_layers": 4,
     "hidden_size": 128,
@@ -123,26 +109,21 @@ def model_dir(tmp_path):
 def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
     """A JobPlanning over a 3-slot CPU cluster: the train rank on device 0, TP-1 instances 0 and 1
     (workers rollout-0, rollout-1) on devices 1 and 2. Call inside a running loop."""
-    config, job = load_job_config(
+    config = load_config(
         "configs/tiny_cpu.py",
         [
             "job.prompts_per_step=2",
             "job.group_size=4",
-            "training.train_batch_size=8",
             "backend.num_devices=3",
             "job.rollout_tp_sizes=1,1",
         ],
     )
-    problem = planning_problem(config, job, model_dir)
+    problem = planning_problem(config, model_dir)
     bus = EventBus()
-    planner = Planner(
-        problem,
-        on_event=lambda e: bus.publish(PLANNER_EVENTS[e.kind], plan_version=e.version, message=e.message),
-    )
+    planner = Planner(problem, on_event=publish_plan_events(bus))
     agent = cpu_agent("agent-0", range(3))
     agents = [agent]
     controller = SimpleNamespace(
-        planner=planner,
         events=bus,
         address="127.0.0.1:1",
         agents=agents,  # the test may mark them lost
@@ -156,12 +137,13 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
     workers = SimpleNamespace(
         cluster=SimpleNamespace(
             controller=controller,
+            planner=planner,
             workers={"rollout-0": Placement("agent-0", (1,)), "rollout-1": Placement("agent-0", (2,))},
             device_map=lambda: DeviceMap.from_cluster_state(controller.cluster.snapshot()),
         ),
         token="token",
         config=config,
-        job=job,
+        job=config.job,
         pool=FakePool([0, 1]),
         planning_problem=problem,
         instances={0: ("rollout-0", 1), 1: ("rollout-1", 1)},
@@ -433,7 +415,7 @@ def test_planner_inputs(model_dir):
         prompt_tokens=40,
         turns=(TurnTrace(30, tool="calc", payload_tokens=5, tool_latency_s=0.25), TurnTrace(20)),
     )
-    assert request_record(trace) == RequestRecord(45, 50, 2, 0.25)
+    assert RequestRecord.from_trace(trace) == RequestRecord(45, 50, 2, 0.25)
 
 
 @pytest.mark.parametrize("router_type", [LeastLoadRouter, RoundRobinRouter])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-from libra.job.config import JobConfig
 from libra.job.setup import JobWorkers
 from libra.rollout import InstanceUnavailable
 from libra.sync import VersionLedger
@@ -46,7 +45,7 @@ def _request(version: int) -> LoadRequest:
 def _workers(clients: dict[int, _FlakyClient], max_attempts: int = 3) -> JobWorkers:
     from libra.config import LibraConfig
 
-    workers = JobWorkers(LibraConfig(run_dir="/tmp/unused"), JobConfig())
+    workers = JobWorkers(LibraConfig(run_dir="/tmp/unused"))
     workers.recorder = _Recorder()
     workers.ledger = VersionLedger(initial_version=0, max_attempts=max_attempts, backoff_s=0.01)
     for instance_id, client in clients.items():

@@ -29,7 +29,7 @@ from tests.job.driven_job import (
     wait_for,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.warm_start]
 
 NUM_STEPS = 14
 BATCH = 8
@@ -39,7 +39,6 @@ OVERRIDES = [
     f"job.num_steps={NUM_STEPS}",
     "job.prompts_per_step=2",
     "job.group_size=4",
-    f"training.train_batch_size={BATCH}",
     "job.eval_tasks=0",
     # On-policy: every batch is sampled wholly under the version it trains, so every step's
     # logprob gap is measured, the first one after the restart included.

@@ -22,7 +22,6 @@ OVERRIDES = [
     f"job.num_steps={NUM_STEPS}",
     "job.prompts_per_step=2",
     "job.group_size=2",
-    "training.train_batch_size=4",
     "training.num_minibatches=1",
     "job.eval_tasks=0",
     "job.checkpoint_interval=0",

@@ -17,7 +17,7 @@ import pytest
 from tests.launch.daemons import SlurmCluster, slurm_unavailable, started_or_skipped
 from tests.launch.helpers import Launch, check_agent_registered, check_finished, launch, launch_env
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from libra.planner.controls import HybridJoin, LaunchSpec
+from libra.planner.controls import LaunchSpec
 from libra.planner.diff import JoinHybridReplica, RestartTraining, StartRolloutInstance
+from libra.training.elastic import HybridJoin
 
 # argv: ready_file address [release_file]. Writes the address atomically, then sleeps; with a
 # release file it exits 0 once that file appears (a hybrid replica told to leave by its core).
@@ -59,7 +60,7 @@ class RecordingRollout:
         self.calls.append(("remove", instance_id))
         del self.registered[instance_id]
 
-    def add_instance(self, instance_id: str, tp: int, address: str) -> None:
+    def add_instance(self, instance_id: str, worker_id: str, tp: int, address: str) -> None:
         self.calls.append(("add", instance_id, tp, address))
         self.registered[instance_id] = (tp, address)
         self.routed.add(instance_id)

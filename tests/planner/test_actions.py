@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller, WorkerRole, WorkerSpec, WorkerState
+from libra.control.config import ControlConfig
 from libra.control.types import EventKind
 from libra.planner.actions import ActionExecutor, ExecutorConfig, Outcome, check_device_order
 from libra.planner.controls import HybridControl, RolloutControl, TrainingControl, WorkerLauncher
@@ -295,7 +297,7 @@ def test_adopted_instances_are_stopped_like_started_ones(setup, tmp_path):
     agent_id = ctl.cluster.snapshot().agents[0].agent_id
     executor.cluster.start_worker(agent_id, WorkerSpec("initial-0", WorkerRole.ROLLOUT, (0,), argv))
     executor.adopt_instance("initial-0", "initial-0", 1, (0,), "127.0.0.1:7100")
-    rollout.add_instance("initial-0", 1, "127.0.0.1:7100")
+    rollout.add_instance("initial-0", "initial-0", 1, "127.0.0.1:7100")
     with pytest.raises(ValueError, match=r"devices \[0\] are still held"):
         executor.execute([StartRolloutInstance("other", 1, (0,))])
     report = executor.execute([StopRolloutInstance("initial-0", (0,), cut_inflight=True)])

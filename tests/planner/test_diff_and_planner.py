@@ -7,8 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from libra.config import load_from_file
 from libra.planner.calibration import scaled_factors
-from libra.planner.config import HybridPoolLimits, TriggerPolicy, load_problem
+from libra.planner.config import PlanningProblem, TriggerPolicy
 from libra.planner.diff import (
     JoinHybridReplica,
     ReleaseHybridReplica,
@@ -24,6 +25,7 @@ from libra.planner.planner import Planner
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
 from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
+from libra.training.elastic import HybridPoolLimits
 
 SAMPLE = "configs/planner_qwen3_14b_48xa800.py"
 
@@ -114,7 +116,7 @@ def _measured(problem, plan: Plan, scale: float) -> tuple[float, float]:
 
 
 def test_planner_applies_only_worthwhile_plans_and_emits_events():
-    problem = load_problem(SAMPLE)
+    problem = load_from_file(SAMPLE, "planning_problem", PlanningProblem)
     events = []
     planner = Planner(problem, on_event=events.append)
     first = planner.initial_plan()
@@ -161,7 +163,7 @@ def test_planner_applies_only_worthwhile_plans_and_emits_events():
 def test_apply_rule_compares_model_with_model_not_a_measured_step_with_a_prediction():
     """The two ways a measured step against a prediction goes wrong: a running optimum on slow
     hardware looks beaten by its own prediction, a poor plan on fast hardware looks unbeatable."""
-    problem = load_problem(SAMPLE)
+    problem = load_from_file(SAMPLE, "planning_problem", PlanningProblem)
     policy = TriggerPolicy(
         plan_interval=3,  # re-plans at steps 2 and 5, each after 3 steps of the running plan
         warmup_steps=2,
@@ -200,7 +202,7 @@ def test_a_gain_within_the_calibrations_spread_across_plans_is_no_gain():
     """The model errs differently on two layouts (fitted x1.0 under one, x1.5 under the other): a
     candidate must beat the running plan by more than that 50 % to be applied, else each layout
     would look better under the other's scale and the planner would move back and forth."""
-    problem = load_problem(SAMPLE)
+    problem = load_from_file(SAMPLE, "planning_problem", PlanningProblem)
     policy = TriggerPolicy(
         plan_interval=3,
         warmup_steps=2,
@@ -224,7 +226,7 @@ def test_a_gain_within_the_calibrations_spread_across_plans_is_no_gain():
 
 
 def test_external_controller_vetoes_accepts_and_proposes():
-    problem = load_problem(SAMPLE)
+    problem = load_from_file(SAMPLE, "planning_problem", PlanningProblem)
     policy = TriggerPolicy(
         plan_interval=1,
         warmup_steps=0,

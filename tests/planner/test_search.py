@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from libra.backends.profiles import A800_SXM4_80GB
-from libra.planner.config import ClusterSpec, PlanningProblem, load_problem
+from libra.config import load_from_file
+from libra.planner.config import ClusterSpec, PlanningProblem
 from libra.planner.search import (
     DEFAULT_ROLLOUT_FACTORS,
     DEFAULT_TRAIN_FACTORS,
@@ -109,7 +110,7 @@ def test_random_clusters_exercise_the_space():
 
 
 def test_sample_config_plans_within_constraints():
-    problem = load_problem("configs/planner_qwen3_14b_48xa800.py")
+    problem = load_from_file("configs/planner_qwen3_14b_48xa800.py", "planning_problem", PlanningProblem)
     plan = search(problem)
     check_constraints(problem, plan)
     assert plan.predicted_step_s < math.inf and plan.num_devices == 48
@@ -136,7 +137,7 @@ def _reference_search(problem, **kwargs):
 
 
 def _problem_at(num_devices: int, seed: int = 0) -> PlanningProblem:
-    sample = load_problem("configs/planner_qwen3_14b_48xa800.py")
+    sample = load_from_file("configs/planner_qwen3_14b_48xa800.py", "planning_problem", PlanningProblem)
     return dataclasses.replace(
         sample,
         cluster=ClusterSpec(num_devices // 8, 8, A800_SXM4_80GB),

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from libra.config import ControlConfig
+from libra.config import load_from_file
 from libra.control.auth import open_channel
+from libra.control.config import ControlConfig
 from libra.control.server import start_server
-from libra.planner.config import load_problem
+from libra.planner.config import PlanningProblem
 from libra.planner.planner import Planner
 from libra.planner.service import add_planner_service, plan_to_proto
 from libra.v1 import planner_pb2, planner_pb2_grpc
@@ -28,7 +29,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served():
-    problem = load_problem("configs/planner_qwen3_14b_48xa800.py")
+    problem = load_from_file("configs/planner_qwen3_14b_48xa800.py", "planning_problem", PlanningProblem)
     events = []
     planner = Planner(problem, on_event=events.append)
     config = ControlConfig(port=0, token=TOKEN)

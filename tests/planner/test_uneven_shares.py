@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from libra.planner.config import PlanningProblem, TrainingBatch, load_problem
+from libra.config import load_from_file
+from libra.planner.config import PlanningProblem, TrainingBatch
 from libra.planner.evaluate import validate_plan
 from libra.planner.plan import TrainingPlacement
 from libra.planner.search import DEFAULT_TRAIN_FACTORS, NoFeasiblePlan, search
@@ -96,7 +97,7 @@ def test_uneven_step_is_priced_on_the_largest_share():
     """DP 3 over 8 groups waits for a replica with 3 groups: exactly the step (and the memory)
     of DP 3 over 9 groups, where every replica carries 3 -- and slower than DP 4 (2 groups each),
     faster than DP 2 (4 each)."""
-    problem = load_problem(SAMPLE)
+    problem = load_from_file(SAMPLE, "planning_problem", PlanningProblem)
     seqs = SequenceStats.of(problem.history)
 
     def cost(num_groups: int) -> TrainingCostModel:
@@ -114,7 +115,7 @@ def test_uneven_step_is_priced_on_the_largest_share():
 
 
 def test_validate_plan_needs_the_option_for_uneven_shares():
-    problem = load_problem(SAMPLE)  # 128 sequences in 32 groups of 4
+    problem = load_from_file(SAMPLE, "planning_problem", PlanningProblem)  # 128 sequences in 32 groups of 4
     plan = search(problem)
     cfg = plan.training.config
     assert 32 % cfg.dp == 0

@@ -21,11 +21,13 @@ from pathlib import Path
 import pytest
 
 from libra.backends import get_backend
-from libra.config import BackendConfig, ControlConfig, LibraConfig
+from libra.backends.config import BackendConfig
+from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller, WorkerRole, WorkerSpec, WorkerStatus
+from libra.control.config import ControlConfig
 from libra.control.types import AgentState
 from libra.rollout.config import InstanceConfig
-from libra.rollout.instance_server import instance_argv as server_argv
+from libra.rollout.instance_server import InstanceSpec
 from tests.control.helpers import wait_for
 from tests.rollout.scripted_model import train_scripted_model
 
@@ -66,7 +68,8 @@ class InstanceProcess:
 
 
 def instance_argv(model_dir: Path, address_file: Path, max_model_len: int = MAX_MODEL_LEN) -> list[str]:
-    return server_argv(InstanceConfig(model=str(model_dir), max_model_len=max_model_len), address_file)
+    config = InstanceConfig(model=str(model_dir), max_model_len=max_model_len)
+    return InstanceSpec(config, address_file=str(address_file)).to_argv()
 
 
 def spawn_instance(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from libra.config import ControlConfig
 from libra.control.aio_server import start_aio_server
+from libra.control.config import ControlConfig
 from libra.rollout.instance_server import MultiplexedGenerate
 from libra.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.rollout.conftest import TOKEN

@@ -20,7 +20,7 @@ from tests.rollout.scripted_model import (
     UNKNOWN_TOOL_QUESTION,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def test_multi_turn_tool_calls_keep_token_continuity(instances, tokenizer):

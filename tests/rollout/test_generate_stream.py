@@ -11,8 +11,8 @@ import asyncio
 import grpc
 import pytest
 
-from libra.config import ControlConfig
 from libra.control.aio_server import start_aio_server
+from libra.control.config import ControlConfig
 from libra.rollout import FinishReason, InstanceClient, InstanceUnavailable, SamplingSpec
 from libra.rollout.instance_server import MultiplexedGenerate
 from libra.v1 import rollout_pb2, rollout_pb2_grpc

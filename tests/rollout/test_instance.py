@@ -12,7 +12,7 @@ import pytest
 from libra.rollout import FinishReason, InstanceClient, PauseMode, SamplingSpec
 from tests.rollout.conftest import MAX_MODEL_LEN, TOKEN, run
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 PROMPTS = (
     "What is 40+2?",
@@ -54,8 +54,21 @@ def _hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, eos_id:
             logprobs = [
                 torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, tokens, strict=True)
             ]
-            results.append((tokens, logprobs))
+            results.append((tokens, logprobs, [s[0] for s in out.scores]))
     return results
+
+
+def _num_agreeing(engine: list[int], tokens: list[int], logits) -> int:
+    """How many leading tokens the engine and transformers share: all of them, or those before a
+    near-tie (1e-4 in logits, as in tests/sync/hf_reference.py) that two correct fp32 engines may
+    break differently, on any machine: the paths part there."""
+    for position, (mine, theirs) in enumerate(zip(engine, tokens, strict=False)):
+        if mine != theirs:
+            gap = float(logits[position][theirs] - logits[position][mine])
+            assert gap < 1e-4, f"token {position}: engine {mine}, transformers {theirs} by {gap}"
+            return position
+    assert len(engine) == len(tokens), (engine, tokens)
+    return len(tokens)
 
 
 def test_greedy_equals_transformers_token_for_token(instances, model_dirs, tokenizer):
@@ -82,11 +95,12 @@ def test_greedy_equals_transformers_token_for_token(instances, model_dirs, token
     assert max(lengths) <= after.num_engine_steps - before.num_engine_steps <= sum(lengths) + len(prompts)
     assert len(prompts) <= after.num_prompt_tokens - before.num_prompt_tokens <= sum(map(len, prompts))
     reference = _hf_greedy(model_dirs.scripted, prompts, 48, eos)
-    for segment, (tokens, logprobs) in zip(segments, reference, strict=True):
-        assert segment.token_ids == tokens
-        assert segment.finish_reason == (FinishReason.STOP if tokens[-1] == eos else FinishReason.LENGTH)
+    for segment, (tokens, logprobs, logits) in zip(segments, reference, strict=True):
+        agreeing = _num_agreeing(segment.token_ids, tokens, logits)
+        if agreeing == len(tokens):
+            assert segment.finish_reason == (FinishReason.STOP if tokens[-1] == eos else FinishReason.LENGTH)
         got = [lp for chunk in segment.chunks for lp in chunk.logprobs]
-        assert got == pytest.approx(logprobs, abs=1e-3)
+        assert got[:agreeing] == pytest.approx(logprobs[:agreeing], abs=1e-3)
 
 
 def _long_sampling(max_tokens: int = 160) -> SamplingSpec:

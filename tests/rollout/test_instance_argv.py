@@ -1,5 +1,6 @@
-"""`instance_argv`: the one place that turns an `InstanceConfig` into an instance's command line
-(used by the job's setup and the rollout benchmark) gives back the same config when parsed."""
+"""`InstanceSpec`: the one place that turns a rollout instance's config into its command line (the
+job's setup, the rollout benchmark, the tests) gives back the same spec in the instance process,
+the control plane's TLS settings included."""
 
 from __future__ import annotations
 
@@ -8,31 +9,42 @@ import sys
 
 import pytest
 
+from libra.control.config import ControlConfig
 from libra.rollout.config import InstanceConfig
-from libra.rollout.instance_server import build_parser, config_from_args, instance_argv
+from libra.rollout.instance_server import InstanceSpec
 
 
 @pytest.mark.parametrize(
-    "config",
+    "spec",
     [
-        InstanceConfig(model="/models/tiny"),
-        InstanceConfig(
-            model="/models/x y",
-            dtype="bfloat16",
-            max_model_len=77,
-            tensor_parallel_size=2,
-            kv_cache_gib=3,
-            max_num_seqs=9,
-            enforce_eager=False,
-            seed=5,
-            stats_window_s=0.25,
-        ),  # fmt: skip
+        InstanceSpec(InstanceConfig(model="/models/tiny")),
+        InstanceSpec(
+            InstanceConfig(
+                model="/models/x y",
+                dtype="bfloat16",
+                max_model_len=77,
+                tensor_parallel_size=2,
+                kv_cache_gib=3,
+                max_num_seqs=9,
+                enforce_eager=False,
+                seed=5,
+                stats_window_s=0.25,
+            ),
+            control=ControlConfig(tls_cert_file="/etc/cert.pem", tls_key_file="/etc/key.pem"),
+            host="10.0.0.7",
+            address_file="/run/instance.addr",
+        ),
     ],
 )
-def test_argv_round_trips_every_field(config, tmp_path):
-    argv = instance_argv(config, tmp_path / "instance.addr", host="10.0.0.7")
+def test_argv_round_trips_every_field(spec):
+    argv = spec.to_argv()
     assert argv[:3] == [sys.executable, "-m", "libra.rollout.instance_server"]
-    args = build_parser().parse_args(argv[3:])
-    assert config_from_args(args) == config
-    assert (args.host, args.address_file, args.port) == ("10.0.0.7", str(tmp_path / "instance.addr"), 0)
-    assert {f.name for f in dataclasses.fields(InstanceConfig)} <= set(vars(args)) | {"model"}
+    assert InstanceSpec.from_argv(argv[3:]) == spec
+
+
+def test_a_bad_field_is_named():
+    argv = InstanceSpec(InstanceConfig(model="/m")).to_argv()
+    broken = argv[-1].replace('"max_num_seqs"', '"max_seqs"')
+    with pytest.raises(ValueError, match=r"InstanceSpec.instance has no field\(s\) \['max_seqs'\]"):
+        InstanceSpec.from_argv([argv[-2], broken])
+    assert dataclasses.fields(InstanceSpec)

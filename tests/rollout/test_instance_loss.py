@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from libra.config import ControlConfig
 from libra.control.aio_server import start_aio_server
+from libra.control.config import ControlConfig
 from libra.rollout.instance_server import MultiplexedGenerate
 from libra.scheduler import LeastLoadRouter
 from libra.trajectory import Outcome

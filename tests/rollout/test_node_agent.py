@@ -19,7 +19,7 @@ from tests.rollout.conftest import TOKEN, run
 from tests.rollout.helpers import check_continuity, make_loop, make_pool, new_trajectory
 from tests.rollout.scripted_model import LONG_ANSWER_QUESTION
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 QUESTIONS = (LONG_ANSWER_QUESTION,) * 4 + ("What is 12+7?", "What is 3*45?")
 """Long single turns (certain to be in flight when the instance dies) and two-turn tool calls."""

@@ -75,7 +75,7 @@ class TimedCalls(list):
         self.ended_at.append(time.monotonic())
 
 
-async def _no_add(plan_id: str, tp: int, address: str) -> int:
+async def _no_add(plan_id: str, worker_id: str, tp: int, address: str) -> int:
     raise AssertionError(f"no instance is added in this test ({plan_id})")
 
 
@@ -117,6 +117,7 @@ async def _routable_again(pool, control, tokenizer, instance_id: int, prefix: st
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cut_instance_hands_its_trajectories_to_the_other_with_their_tokens(instances, tokenizer):
     calls = []
 
@@ -166,6 +167,7 @@ def test_cut_instance_hands_its_trajectories_to_the_other_with_their_tokens(inst
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_drain_waits_for_the_turns_in_flight_and_lets_no_new_turn_land(instances, tokenizer):
     calls = TimedCalls()
 
@@ -227,8 +229,8 @@ def test_thresholds_removal_and_adding_through_the_jobs_coroutine(tokenizer):
         pool = await make_pool(router, [address, address])
         added = []
 
-        async def add_instance(plan_id: str, tp: int, address: str) -> int:
-            added.append((plan_id, tp))
+        async def add_instance(plan_id: str, worker_id: str, tp: int, address: str) -> int:
+            added.append((plan_id, worker_id, tp))
             await pool.add(7, address, tp_size=tp)
             return 7
 
@@ -252,7 +254,7 @@ def test_thresholds_removal_and_adding_through_the_jobs_coroutine(tokenizer):
             await asyncio.to_thread(control.remove_instance, "rollout-tp1-d0")
             with pytest.raises(LookupError, match="rollout-tp1-d0"):
                 control.pool_id("rollout-tp1-d0")
-            await asyncio.to_thread(control.add_instance, "rollout-tp1-d2", 1, address)
+            await asyncio.to_thread(control.add_instance, "rollout-tp1-d2", "worker-tp1-d2", 1, address)
             answered = await make_loop(pool, tokenizer).run(new_trajectory(tokenizer, "hi", "t"))
             loads = {load.instance_id: load.ready for load in router.instance_loads()}
             return thresholds, unchanged, added, control.pool_id("rollout-tp1-d2"), answered, loads, pool
@@ -263,7 +265,7 @@ def test_thresholds_removal_and_adding_through_the_jobs_coroutine(tokenizer):
     thresholds, unchanged, added, new_id, answered, loads, pool = run(scenario())
     assert thresholds == ([500, 9000], ["short", "medium"])
     assert unchanged == [500, 9000]  # a refused plan changes nothing
-    assert added == [("rollout-tp1-d2", 1)] and new_id == 7
+    assert added == [("rollout-tp1-d2", "worker-tp1-d2", 1)] and new_id == 7
     assert loads == {1: True, 7: True}  # the removed instance is gone from the router
     assert pool.live_ids() == [1, 7] and pool.get(0).lost  # its id still answers, out of service
     assert answered.outcome == Outcome.ANSWERED

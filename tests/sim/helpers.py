@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from libra.planner.config import ModelArch, PlannerConfig, SearchConfig, TrainingBatch, TriggerPolicy
 from libra.sim.config import MovementCosts, SimConfig
-from libra.sim.trace import TrajectoryTrace, TurnTrace
 from libra.sim.workloads import WorkloadConfig
+from libra.trace import TrajectoryTrace, TurnTrace
 from libra.trajectory import ToolStatus
 
 SMALL_MODEL = ModelArch(

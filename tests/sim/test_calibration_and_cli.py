@@ -49,4 +49,4 @@ def test_libra_simulate_writes_a_report(tmp_path):
 
 def test_libra_simulate_rejects_a_missing_config(tmp_path, capsys):
     assert main(["simulate", str(tmp_path / "none.py")]) == 2
-    assert "no simulation config file" in capsys.readouterr().err
+    assert "config file not found" in capsys.readouterr().err

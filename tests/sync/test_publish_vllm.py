@@ -22,7 +22,7 @@ from tests.sync.engine_helpers import PROMPTS, engine_params, vllm_greedy
 from tests.sync.hf_reference import assert_greedy_under_hf, hf_greedy, hf_model
 from tests.sync.reference_reshard import hf_to_vllm, megatron_to_hf
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def test_trained_step_published_over_shm_is_bit_identical_and_greedy_matches(

@@ -27,7 +27,7 @@ from tests.sync.hf_reference import assert_greedy_under_hf, hf_greedy, hf_model
 from tests.sync.reference_reshard import hf_to_vllm, megatron_to_hf
 
 # Engine start (15-60 s on 2 busy cores) falls into the first test's time.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TP = 2
 MIN_FREE_GIB = 6.0  # the TP=2 engine peaks at ~5 GB (front end + 2 workers), plus headroom

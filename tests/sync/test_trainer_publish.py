@@ -11,13 +11,13 @@ import grpc
 import pytest
 import torch
 
-from libra.config import ControlConfig
+from libra.control.config import ControlConfig
 from libra.job.trainer import TrainRanks
 from tests.sync.reference_reshard import hf_to_vllm
 from tests.training.test_worker import TOKEN, call_all, ranks  # noqa: F401 - the TP=2 ranks fixture
 from tests.training.tiny_models import make_batch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def _published_params(load) -> list[dict[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ import pytest
 
 from libra.tasks.warm_start import REPORT_FILE, WarmStartConfig, cached_warm_start
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(900)]
 
 BAND_MARGIN = 0.05
 """Held-out success may miss the validation band by this much (96 tasks: one standard error

@@ -16,6 +16,7 @@ STEPS = 12
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
 

@@ -37,6 +37,7 @@ LAYOUTS = ("tp2", "pp2", "dp2", "tp2dp2")
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
 

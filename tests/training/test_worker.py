@@ -6,13 +6,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
+from libra.training.config import TrainingConfig
+from libra.training.worker import TrainRankSpec
 from tests.training.jobs import free_port
 from tests.training.tiny_models import make_batch, make_hf_model
 
@@ -21,6 +22,7 @@ TOKEN = "test-token"
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
 
@@ -36,25 +38,14 @@ def ranks(tmp_path_factory):
     env = {**os.environ, "LIBRA_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = []
     for rank in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "libra.training.worker",
-            "--hf-model",
-            str(model),
-            "--rank",
-            str(rank),
-            "--world-size",
-            "2",
-            "--master-port",
-            str(master),
-            "--tensor-parallel",
-            "2",
-            "--training",
-            '{"lr": 0.001, "max_staleness": 0, "train_batch_size": 12}',
-            "--port-file",
-            str(root / f"port{rank}"),
-        ]
+        spec = TrainRankSpec(
+            hf_model=str(model),
+            rank=rank,
+            master_port=master,
+            training=TrainingConfig(lr=0.001, max_staleness=0, train_batch_size=12, tensor_parallel=2),
+            port_file=str(root / f"port{rank}"),
+        )
+        cmd = spec.to_argv()
         procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(root / f"rank{rank}.log", "w")

@@ -8,7 +8,9 @@ is cancelled is killed with every process of its uid and replaced, so the pool k
 What each layer does and why is described in `sandbox_worker.py`. Here: the environment the
 workers start with (a whitelist, so no token or key of the run is inherited), and the uids they
 run as: one per worker, leased through a lock file so two pools on a host never share a uid
-(`kill(-1)` in a worker must reach only its own calls' processes).
+(`kill(-1)` in a worker must reach only its own calls' processes). Each worker runs under a guard
+(`libra.control.worker_guard`, as this process's user, root included) that kills the worker and
+everything its calls left when this process dies, however it dies.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import psutil
 
+from libra.control.worker_guard import guarded
 from libra.rollout.tools.config import SandboxConfig
 from libra.trajectory import ToolStatus
 
@@ -118,6 +121,9 @@ class _Worker:
 
     def __init__(self, process: asyncio.subprocess.Process, uid: int | None, hello: dict, fallback_dir: str):
         self.process = process
+        """The worker's guard, which leads the worker's process group."""
+        self.pid: int = hello["pid"]
+        """The worker's own pid."""
         self.uid = uid
         self.private_dir: str = hello["private_dir"]
         self.layers: list[str] = hello["layers"]
@@ -140,10 +146,7 @@ class _Worker:
             "expose": expose,
         }
         process = await asyncio.create_subprocess_exec(
-            python,
-            "-I",
-            str(WORKER_SCRIPT),
-            json.dumps(settings),
+            *guarded([python, "-I", str(WORKER_SCRIPT), json.dumps(settings)]),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
@@ -154,7 +157,7 @@ class _Worker:
         try:
             hello = await asyncio.wait_for(_read_frame(process.stdout), timeout=30.0)
         except (TimeoutError, asyncio.IncompleteReadError) as exc:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
             raise RuntimeError(f"sandbox worker did not start ({type(exc).__name__})") from exc
         return cls(process, uid, hello, fallback_dir)
@@ -166,7 +169,8 @@ class _Worker:
         return await asyncio.wait_for(_read_frame(self.process.stdout), timeout=timeout_s)
 
     async def kill(self) -> None:
-        """Kills the worker and everything running under its uid (the parent is root then)."""
+        """Kills the worker (its process group, with its guard) and everything running under its
+        uid (the parent is root then)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         if self.uid is not None:
@@ -241,7 +245,7 @@ class SandboxPool:
 
     @property
     def worker_pids(self) -> list[int]:
-        return [worker.process.pid for worker in self._workers]
+        return [worker.pid for worker in self._workers]
 
     @property
     def worker_uids(self) -> list[int]:
@@ -282,9 +286,7 @@ class SandboxPool:
         try:
             reply = await worker.call(request, timeout_s + REPLY_GRACE_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            logger.warning(
-                "sandbox worker pid %d lost during a call (%r): replacing it", worker.process.pid, exc
-            )
+            logger.warning("sandbox worker pid %d lost during a call (%r): replacing it", worker.pid, exc)
         finally:
             if reply is None:
                 # Cancelled, hung or dead: its pipe is in an unknown state, so it cannot be reused.

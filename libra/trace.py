@@ -1,7 +1,8 @@
 """The trace format: what one trajectory did, turn by turn, as the simulator replays it.
 
-This is the contract between real runs and the simulator. A JSONL file holds one
-`TrajectoryTrace` per line:
+This is the contract between real runs and the simulator: the job writes it (`libra.job`), the
+simulator reads and generates it (`libra.sim`), so it sits beside `libra.trajectory`, below both.
+A JSONL file holds one `TrajectoryTrace` per line:
 
     {"trajectory_id": "t0", "prompt_id": "p0", "group_id": "g0", "prompt_tokens": 812,
      "turns": [{"output_tokens": 950, "tool": "r2e_issue_validator", "payload_tokens": 3100,

@@ -23,6 +23,9 @@ activates or leaves). Every gradient payload carries (step, policy version, epoc
 not match the receiver's is dropped and counted, never applied. Each join gets a generation
 number: events reported for an older generation of a replica slot (a cancelled join's
 background work finishing late) are ignored and counted.
+
+Also the pool's two words with the planner: `HybridJoin` (what the core answers to a join) and
+`HybridPoolLimits` (what the pool can pair with the core, so what the planner may plan).
 """
 
 from __future__ import annotations
@@ -265,3 +268,49 @@ class HybridPool:
         if r.state in (_S.ZERO_SYNC, _S.ACTIVE, _S.RELEASING):
             self.epoch += 1
         return True
+
+
+@dataclass(frozen=True)
+class HybridJoin:
+    """What the core answers to a join request: the join's generation (events of older
+    generations are ignored) and the addresses of the lanes the replica connects to, one per TP
+    rank of the core replica it pairs with (TP rank t of the replica connects to the t-th)."""
+
+    generation: int
+    lane_addresses: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.lane_addresses:
+            raise ValueError("HybridJoin needs the address of at least one lane")
+
+
+@dataclass(frozen=True)
+class HybridPoolLimits:
+    """What the runtime's elastic hybrid pool can pair with the core: a plan that grows training
+    beyond it restarts training instead of joining hybrid replicas (`libra.planner.diff`), and is
+    priced as a restart. The planner is told it as `planner.hybrid_pool`; the defaults bound
+    nothing: the design's k-replica pool (the simulator). The job sets what `libra.training.hybrid`
+    supports (`HYBRID_POOL_LIMITS`): one hybrid per core replica, on a core of PP = 1 (any TP)."""
+
+    per_core_replica: int | None = None
+    """Most hybrid replicas per core replica (None: no bound)."""
+    max_core_pipeline_parallel: int | None = None
+    """Largest PP of a core replica that takes hybrid replicas (None: any)."""
+
+    def __post_init__(self) -> None:
+        for name in ("per_core_replica", "max_core_pipeline_parallel"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"planner.hybrid_pool.{name} must be >= 0 or None, got {value}")
+
+    def allows(self, core_replicas: int, core_pipeline_parallel: int, hybrids: int) -> bool:
+        """Whether `hybrids` replicas may join a core of `core_replicas` replicas of PP =
+        `core_pipeline_parallel`."""
+        if hybrids == 0:
+            return True
+        if (
+            self.max_core_pipeline_parallel is not None
+            and core_pipeline_parallel > self.max_core_pipeline_parallel
+        ):
+            return False
+        return self.per_core_replica is None or hybrids <= self.per_core_replica * core_replicas

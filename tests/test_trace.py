@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from libra.sim.trace import (
+from libra.sim.workloads import WorkloadConfig, WorkloadGenerator
+from libra.trace import (
     TrajectoryTrace,
     TurnTiming,
     TurnTrace,
@@ -10,7 +11,6 @@ from libra.sim.trace import (
     trace_from_trajectory,
     write_traces,
 )
-from libra.sim.workloads import WorkloadConfig, WorkloadGenerator
 from libra.trajectory import Outcome, ToolReturn, ToolStatus, Trajectory
 
 

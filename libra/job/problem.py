@@ -1,0 +1,70 @@
+"""The global planner's problem as the job sees it before launch: the model (from its HF config),
+the cluster (from the backend and `job.num_agents`), the batch (from the job and training
+config) and the elastic hybrid pool's limits (`libra.training.hybrid`); and each finished
+trajectory's trace as one request of the planner's history.
+
+Kept apart from the planner in the loop (`planning`, which drives the launch's `JobWorkers`), so
+that the launch (`setup`) builds the problem without importing `planning`: no import cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from libra.config import LibraConfig
+from libra.planner.config import ClusterSpec, ModelArch, PlanningProblem, RequestRecord, TrainingBatch
+from libra.training.hybrid import HYBRID_POOL_LIMITS
+
+_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def model_arch(model_dir: Path, dtype: str) -> ModelArch:
+    """The planner's view of an HF model folder, at the instances' dtype."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    return ModelArch.from_hf_config(
+        model_dir, _BYTES_PER_DTYPE.get(dtype if dtype != "auto" else raw.get("dtype", ""), 2)
+    )
+
+
+def cluster_spec(devices_per_agent: int, num_agents: int, profile) -> ClusterSpec:
+    """Planner nodes of the largest power of two that divides an agent's devices: an agent of a
+    power of two is one node (the 4-slot CPU default: one node of 4), one of 6 is three nodes of 2,
+    one of 3 three nodes of 1 (rollout and training TP 1 only). That keeps the planner's numbering
+    (node-major, device d = the d-th device of the agents laid end to end)."""
+    if devices_per_agent < 1:
+        raise ValueError(f"an agent must hold at least one device, got {devices_per_agent}")
+    node = devices_per_agent & -devices_per_agent
+    return ClusterSpec(num_agents * devices_per_agent // node, node, profile)
+
+
+def planning_problem(config: LibraConfig, model_dir: Path) -> PlanningProblem:
+    """The job's planning problem before launch. The cluster is sized from the backend (its
+    devices per agent, `job.num_agents` agents); the history is one seed request (a turn at the
+    per-turn cap) that the measured trajectories replace before the first search can run (the
+    policy's `min_history`)."""
+    from libra.backends import get_backend
+
+    job = config.job
+    backend = get_backend(config.backend.name, **config.backend.options())
+    profile = backend.hardware_profile()
+    cluster = cluster_spec(profile.devices_per_node, job.num_agents, profile)
+    turn = config.rollout.agent.max_tokens_per_turn
+    return PlanningProblem(
+        cluster=cluster,
+        model=model_arch(model_dir, config.rollout.instance.dtype),
+        # One micro-batch size: the trainer forms token-balanced micro-batches itself, and a
+        # plan that differed from the running one only in it would need a training restart.
+        batch=TrainingBatch(
+            global_batch=job.batch_size,
+            group_size=job.group_size,
+            micro_batch_sizes=(1,),
+            distributed_optimizer=config.training.use_distributed_optimizer,
+            recompute=config.training.recompute,
+            max_staleness=config.training.max_staleness,
+        ),
+        history=(RequestRecord(turn, turn),),
+        # What `libra.training.hybrid` pairs: training grows past it by a restart.
+        config=dataclasses.replace(config.planner, hybrid_pool=HYBRID_POOL_LIMITS),
+    )
