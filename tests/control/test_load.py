@@ -194,4 +194,7 @@ def test_a_thousand_agents_two_hundred_watchers_bursts_and_stalls(tmp_path, proc
     assert sum(a.state == common_pb2.AGENT_STATE_ALIVE for a in agents()) == 1  # the swarms left
     (rss_first, fds_first), (rss_last, fds_last) = resources[0], resources[-1]
     assert fds_last <= fds_first + 8, resources
-    assert rss_last <= rss_first * 1.15 + (32 << 20), resources
+    # The controller (no torch: ~110 MB) moves by up to ~70 MB between floods without a trend
+    # (allocator arenas; measured 110 -> 177, 188 -> 171, 123 -> 115 MB over three floods), so
+    # this catches a flood's calls being kept (>= 24 KB a call), not the allocator's noise.
+    assert rss_last <= rss_first + (96 << 20), resources
