@@ -74,3 +74,33 @@ def test_a_train_rank_spec_carries_its_layout_tls_and_backend_options():
     assert TrainRankSpec.from_argv(argv[3:]) == spec
     with pytest.raises(ValueError, match="rank must be in 0..3"):
         dataclasses.replace(spec, rank=4)
+
+
+def test_a_hybrid_replica_spec_carries_the_cores_training_and_backend_options():
+    from libra.backends.config import BackendConfig
+    from libra.training.config import GrpoConfig, TrainingConfig
+    from libra.training.hybrid_worker import HybridReplicaSpec
+
+    core = TrainingConfig(tensor_parallel=2, data_parallel=1, lr=3e-6, grpo=GrpoConfig(clip_high=0.28))
+    spec = HybridReplicaSpec(
+        hf_model="/models/m",
+        lanes=("10.0.0.1:7001", "10.0.0.1:7002"),
+        replica=1,
+        generation=3,
+        training=core,
+        backend=BackendConfig(name="cpu", num_devices=4),
+        ready_file="/run/hybrid-1.ready",
+    )
+    argv = spec.to_argv()
+    assert argv[1:3] == ["-m", "libra.training.hybrid_worker"]
+    assert HybridReplicaSpec.from_argv(argv[3:]) == spec
+    # Rank 0 starts rank 1 of the same replica; only rank 0 writes the files.
+    other = spec.other_rank(1, master_port=29600, parent_pid=42)
+    assert (other.tp_rank, other.master_port, other.parent_pid, other.ready_file) == (1, 29600, 42, None)
+    assert (other.lanes, other.training) == (spec.lanes, core)
+    with pytest.raises(ValueError, match=r"tp_rank must be in \[0, 2\)"):
+        dataclasses.replace(spec, tp_rank=2, master_port=1, parent_pid=1)
+    with pytest.raises(ValueError, match="needs the master_port and parent_pid"):
+        dataclasses.replace(spec, tp_rank=1)
+    with pytest.raises(ValueError, match="replica and generation must be >= 1"):
+        dataclasses.replace(spec, replica=0)

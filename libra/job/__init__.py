@@ -1,8 +1,8 @@
-"""The RL job: what `libra run CONFIG` runs. Owns worker launch through the control plane
-(`workers`, `setup`), the asynchronous GRPO loop with bounded staleness (`loop`), group rollout
+"""The RL job: what `libra run CONFIG` runs. Owns the controller and node agents (`cluster`), every
+worker it runs, with one record each and the watchdog (`fleet`), the asynchronous GRPO loop with bounded staleness (`loop`), group rollout
 with rewards and traces (`rollouts`), weight publication to instances (`setup.publish`: the
 trainer's PublishWeights, then every instance's LoadWeights, retried through `libra.sync`'s
-version ledger), the global planner on the controller (`workers`: served as PlannerService) and
+version ledger), the global planner on the controller (`cluster`: served as PlannerService) and
 in the loop with plans carried out on the live cluster, its problem built from the job
 (`problem`), hybrid replicas joining from rollout (`planning`) and training restarted in a new
 layout (`training_restart`), checkpoints and resume (`loop`), and the run folder: metrics, TensorBoard,

@@ -81,6 +81,8 @@ class GrpoJob:
         self.steps: list[StepMetrics] = []
         self.evaluations: list[HeldOutEvaluation] = []
         self.num_rolled_out = 0
+        self._doing = "the start"
+        """What the loop is doing, for the message when the train ranks are lost."""
 
     def run(self) -> JobResult:
         return asyncio.run(self._run())
@@ -110,7 +112,7 @@ class GrpoJob:
             self._checkpoint()  # the starting state: resumable from the first step
             if not any(e["when"] == "before" for e in read_jsonl(self.run_dir / "evaluations.jsonl")):
                 await self._evaluate("before")
-            await self._train_loop()
+            await self._train_until_done_or_lost()
             await self._evaluate("after")
             await self._close_planning()
             self._checkpoint()
@@ -149,9 +151,26 @@ class GrpoJob:
         (self.run_dir / "metrics.port").write_text(f"{metrics.port}\n")
         return metrics
 
+    async def _train_until_done_or_lost(self) -> None:
+        """The train loop, stopped where it waits as soon as the watchdog reports a train rank
+        lost (`JobWorkers.train_ranks_gone`); a failed call to the ranks stops it on its own."""
+        train = asyncio.create_task(self._train_loop())
+        gone = asyncio.create_task(self.workers.train_ranks_gone.wait())
+        try:
+            await asyncio.wait({train, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            train.cancel()  # no-op when it ended
+            (outcome,) = await asyncio.gather(train, return_exceptions=True)
+        if isinstance(outcome, asyncio.CancelledError) and gone.done() and not gone.cancelled():
+            raise self._training_lost(self._doing)
+        if isinstance(outcome, BaseException):
+            raise outcome
+
     async def _train_loop(self) -> None:
         last_tokens, last_time = await self.workers.generated_tokens(), time.monotonic()
         while self.gate.version < self.job.num_steps:
+            self._doing = f"the rollout of step {self.gate.version + 1}"
             step_started = time.monotonic()
             self._launch_groups()
             batch = await self._next_batch()
@@ -215,22 +234,28 @@ class GrpoJob:
 
     @contextlib.contextmanager
     def _train_ranks_call(self, what: str):
-        """Turns a failed call to the train ranks into `TrainingLost`, naming the ranks and hosts
-        lost and the checkpoint to resume from, and records it as a `training_lost` event."""
+        """Turns a failed call to the train ranks into `TrainingLost`."""
+        before, self._doing = self._doing, what
         try:
             yield
         except grpc.RpcError as e:
-            lost = self.workers.train_ranks_lost()
-            checkpoint = _last_checkpoint(self.run_dir)
-            message = (
-                f"training lost during {what} at version {self.gate.version}: "
-                f"{'; '.join(lost) or 'no train rank reported ended'} "
-                f"(the call failed with {e.code().name}: {e.details()}); "
-                f"resume with `libra run CONFIG --resume {self.run_dir}` "
-                f"(from {checkpoint.name}, version {_checkpoint_version(checkpoint)})"
-            )
-            self.recorder.event(JobEvent.TRAINING_LOST, message, lost=lost, checkpoint=str(checkpoint))
-            raise TrainingLost(message) from e
+            raise self._training_lost(what, e) from e
+        self._doing = before
+
+    def _training_lost(self, what: str, error: grpc.RpcError | None = None) -> TrainingLost:
+        """`TrainingLost` naming the ranks and hosts lost and the checkpoint to resume from,
+        recorded as a `training_lost` event."""
+        lost = self.workers.train_ranks_lost()
+        checkpoint = _last_checkpoint(self.run_dir)
+        failed = f" (the call failed with {error.code().name}: {error.details()})" if error else ""
+        message = (
+            f"training lost during {what} at version {self.gate.version}: "
+            f"{'; '.join(lost) or 'no train rank reported ended'}{failed}; "
+            f"resume with `libra run CONFIG --resume {self.run_dir}` "
+            f"(from {checkpoint.name}, version {_checkpoint_version(checkpoint)})"
+        )
+        self.recorder.event(JobEvent.TRAINING_LOST, message, lost=lost, checkpoint=str(checkpoint))
+        return TrainingLost(message)
 
     def _group_rollout(self, group_size: int) -> GroupRollout:
         return GroupRollout(

@@ -71,7 +71,7 @@ from libra.planner.triggers import StepObservation
 from libra.rollout.plan_control import PoolRolloutControl
 from libra.training.elastic import HybridJoin, ReplicaState
 from libra.training.hybrid import paired_core_rank
-from libra.training.hybrid_worker import hybrid_worker_argv
+from libra.training.hybrid_worker import HybridReplicaSpec
 
 if TYPE_CHECKING:
     from libra.job.recorder import RunRecorder
@@ -134,23 +134,20 @@ class JobLauncher:
 
     def hybrid_replica(self, action: JoinHybridReplica, join: HybridJoin) -> LaunchSpec:
         """A hybrid DP replica (`libra.training.hybrid_worker`) following its core replica's lanes."""
-
-        from libra.job.workers import training_json
-
         workers = self.workers
         self._count += 1
         ready_file = workers.run_dir / f"hybrid-{action.replica}-g{join.generation}-{self._count}.ready"
-        argv = hybrid_worker_argv(
-            str(workers.model_dir),
-            join.lane_addresses,
-            action.replica,
-            join.generation,
-            training_json(workers.config.training),
-            str(ready_file),
-            workers.config.backend.name,
+        spec = HybridReplicaSpec(
+            hf_model=str(workers.model_dir),
+            lanes=tuple(join.lane_addresses),
+            replica=action.replica,
+            generation=join.generation,
+            training=workers.config.training,
+            backend=workers.config.backend,
+            ready_file=str(ready_file),
         )
         env = {"LIBRA_TOKEN": workers.cluster.token, "PYTHONWARNINGS": "ignore"}
-        return LaunchSpec(tuple(argv), env, os.getcwd(), str(ready_file))
+        return LaunchSpec(tuple(spec.to_argv()), env, os.getcwd(), str(ready_file))
 
 
 class NoHybridLane:
@@ -365,13 +362,15 @@ class JobPlanning:
                 f"the agents hold {devices.num_devices} devices, the planner was sized for {problem_devices}"
             )
             return
-        for instance_id, (worker_id, tp) in sorted(self.workers.instances.items()):
-            placement = self.workers.cluster.workers[worker_id]
+        for instance in self.workers.fleet.rollout_instances():
+            placement = instance.placement
             global_devices = devices.global_devices(placement.agent_id, placement.devices)
-            plan_id = plan_instance_id(tp, global_devices)
-            address = self.workers.pool.get(instance_id).client.address
-            self.executor.adopt_instance(plan_id, worker_id, tp, global_devices, address)
-            self.rollout.bind(plan_id, instance_id)
+            plan_id = plan_instance_id(instance.tp_size, global_devices)
+            address = self.workers.pool.get(instance.instance_id).client.address
+            self.executor.adopt_instance(
+                plan_id, instance.worker_id, instance.tp_size, global_devices, address
+            )
+            self.rollout.bind(plan_id, instance.instance_id)
         try:
             adoption = self.planner.propose(self.running_plan(), "the job's launch layout")
         except ValueError as e:
@@ -631,7 +630,7 @@ class JobPlanning:
     # -- instances the executor starts, and restarts by the job's watchdog ------------------------
 
     async def _add_instance(self, plan_id: str, worker_id: str, tp: int, address: str) -> int:
-        worker = self.workers.cluster.worker_state(worker_id)
+        worker = self.workers.fleet.status(worker_id)
         if worker is None or worker.state.ended:
             raise RuntimeError(f"worker {worker_id} of plan instance {plan_id} is not running")
         return await self.workers.join_instance(
@@ -652,10 +651,11 @@ class JobPlanning:
         plan_id = self.rollout.rebind(old_id, new_id)
         if plan_id is None:
             return
-        worker_id, tp = self.workers.instances[new_id]
+        instance = self.workers.fleet.instance(new_id)
         old = self.executor.running_instances()[plan_id]
-        address = self.workers.pool.get(new_id).client.address
-        self.executor.adopt_instance(plan_id, worker_id, tp, old.devices, address)
+        self.executor.adopt_instance(
+            plan_id, instance.worker_id, instance.tp_size, old.devices, instance.address
+        )
 
     async def close(self) -> None:
         """Waits for a plan being carried out (bounded by the executor's timeouts), records it."""

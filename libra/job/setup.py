@@ -1,7 +1,8 @@
 """Everything the loop talks to, built in order: the policy model, the tasks, the cluster and its
-workers (rollout instances and train ranks through node agents), the instance pool with its
-router, the tools, the agent loop — and the services the loop calls between steps: weight
-publication, token counters, bucket occupancy sampling and the rollout-instance watchdog."""
+workers (rollout instances and train ranks, started through the fleet), the instance pool with
+its router, the tools, the agent loop — and the services the loop calls between steps: weight
+publication, token counters, bucket occupancy sampling, and what a lost worker calls for (the
+fleet's watchdog finds it: an instance is restarted, the train ranks' loss ends the run)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from pathlib import Path
 
 from libra.config import LibraConfig
 from libra.control import WorkerRole
-from libra.control.types import AgentState
+from libra.job.cluster import JobCluster, Placement, free_port
+from libra.job.fleet import Fleet, FleetWorker
 from libra.job.progress import Progress
 from libra.job.recorder import ClusterSample, InstanceSample, JobEvent, RunRecorder
 from libra.job.trainer import TrainRanks
-from libra.job.workers import JobCluster, Placement, free_port
 from libra.rollout import AgentLoop, InstanceClient, InstancePool, InstanceUnavailable
 from libra.scheduler import CmlfqRouter, make_router
 from libra.sync import VersionLedger
@@ -41,11 +42,12 @@ class JobWorkers:
         self.config, self.job = config, config.job
         self.run_dir = Path(config.run_dir)
         self.cluster = JobCluster(config)
-        self.instances: dict[int, tuple[str, int]] = {}
-        """instance id -> (worker id, TP size) of live instances."""
+        self.fleet = Fleet(self.cluster, self.job.worker_start_timeout_s)
+        """Every worker of the job: one record each, and the watchdog."""
+        self.fleet.on_loss(WorkerRole.ROLLOUT, self._instance_lost)
+        self.fleet.on_loss(WorkerRole.TRAIN, self._train_rank_lost)
         self._next_instance_id = 0
         self._background: list[asyncio.Task] = []
-        self._closing = False
         self.ledger = VersionLedger(initial_version=0, max_attempts=_LOAD_ATTEMPTS, backoff_s=_LOAD_BACKOFF_S)
         """Which version each instance runs; owed and failed loads."""
         self.loads: dict[int, LoadRequest] = {}
@@ -58,18 +60,20 @@ class JobWorkers:
         self._retired: list[InstanceClient] = []
         self.restarts = 0
         self.restarts_in_progress = 0
+        """Instances being restarted now (the planner waits for them)."""
         self.instance_start_s: list[float] = []
         """How long each instance took to start serving (launch and restarts)."""
-        """Instances the watchdog is restarting now (the planner waits for them)."""
         self._train_generation = 0
         self.train_worker_ids: list[str] = []
         self.training_now = False
         """A train step is running (the loop sets it; the device-busy samples read it)."""
+        self.train_ranks_gone = asyncio.Event()
+        """Set once a serving train rank ended, or its agent was lost, without the job asking."""
         self.on_instance_restarted = None
+        """Called with (old id, new id) after a lost instance was restarted (the planner's
+        instance map follows it)."""
         self.on_instance_gone = None
         """Called with the id of a lost instance that cannot be restarted (its agent is lost)."""
-        """Called with (old id, new id) after the watchdog restarted an instance (the planner's
-        instance map follows it)."""
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -101,10 +105,14 @@ class JobWorkers:
         self.progress = Progress(
             self.job, self.config.run_dir, live=self.job.live_progress and sys.stdout.isatty()
         )
-        self._background = [asyncio.create_task(self._sample()), asyncio.create_task(self._watch_instances())]
+        self._background = [
+            asyncio.create_task(self._sample()),
+            asyncio.create_task(self.fleet.watch()),
+        ]
         recorder.event(
             JobEvent.STARTED,
-            f"{len(self.instances)} rollout instances, {len(self.train_addresses)} train rank(s)",
+            f"{len(self.fleet.rollout_instances())} rollout instances, "
+            f"{len(self.train_addresses)} train rank(s)",
             model=str(self.model_dir),
         )
 
@@ -180,32 +188,23 @@ class JobWorkers:
 
     def train_layout(self) -> tuple[TrainingConfig, list[Placement]]:
         """The running training layout: its config and each rank's placement, in rank order."""
-        return self.config.training, [self.cluster.workers[w] for w in self.train_worker_ids]
+        return self.config.training, [self.fleet.get(w).placement for w in self.train_worker_ids]
 
     def train_ranks_lost(self, wait_s: float = 15.0) -> list[str]:
         """What happened to the train ranks that ended or whose agent is gone, one line each. A
         failed call may arrive before the controller knows why: an agent's loss takes missed
         heartbeats, so this waits up to `wait_s` for a cause."""
         deadline = time.monotonic() + wait_s
-        while True:
-            snapshot = self.cluster.controller.cluster.snapshot()
-            agents = {a.agent_id: a for a in snapshot.agents}
-            workers = {w.spec.worker_id: w for w in snapshot.workers}
-            lost = []
-            for worker_id in self.train_worker_ids:
-                worker = workers.get(worker_id)
-                agent = agents.get(worker.agent_id) if worker is not None else None
-                where = f"on agent {agent.agent_id} ({agent.host})" if agent is not None else ""
-                if agent is not None and agent.state != AgentState.ALIVE:
-                    lost.append(f"train rank {worker_id} {where}: the agent is {agent.state.name.lower()}")
-                elif worker is not None and worker.state.ended:
-                    lost.append(
-                        f"train rank {worker_id} {where}: {worker.state.name.lower()} with code "
-                        f"{worker.exit_code} (log {worker.log_path})"
-                    )
-            if lost or time.monotonic() > deadline:
-                return lost
+        while not (lost := self.fleet.describe_lost(self.train_worker_ids)) and time.monotonic() < deadline:
             time.sleep(0.2)
+        return [f"train rank {line}" for line in lost]
+
+    async def _train_rank_lost(self, record: FleetWorker) -> None:
+        """No train step can run without every rank: the loop ends the run (`GrpoJob`). Its
+        wait for rollouts ends too: when the ranks' host also held every rollout instance, a loss
+        noticed only by the next train call would come after the batch's trajectories waited out
+        `rollout.agent.no_instance_wait_s` for an instance."""
+        self.train_ranks_gone.set()
 
     def stop_train_ranks(self) -> None:
         """Closes the trainer and stops every train rank started last (also a layout that came up
@@ -213,7 +212,8 @@ class JobWorkers:
         if hasattr(self, "trainer"):
             self.trainer.close()
         for worker_id in self.train_worker_ids:
-            self.cluster.stop_worker(worker_id)
+            self.fleet.stop(worker_id)
+            self.fleet.forget(worker_id)
 
     def start_train_ranks(self, placements, training: TrainingConfig | None = None) -> list[str]:
         """Starts one train rank per placement in the layout of `training` (which becomes the
@@ -227,12 +227,11 @@ class JobWorkers:
         prefix = "train" if self._train_generation == 1 else f"train-g{self._train_generation}"
         master_port = free_port()
         master_addr = self.cluster.agent_host(placements[0].agent_id)
-        started = []
+        launched = []
         self.train_worker_ids = []  # as they start: a failure part-way knows what to stop
         for rank, placement in enumerate(placements):
             host = self.cluster.agent_host(placement.agent_id)
             port_file = self.run_dir / f"{prefix}-rank-{rank}.port"
-            port_file.unlink(missing_ok=True)
             spec = TrainRankSpec(
                 hf_model=str(self.model_dir),
                 rank=rank,
@@ -246,10 +245,17 @@ class JobWorkers:
                 port_file=str(port_file),
                 elastic=self.config.elastic if self.hosts_hybrid_lane else None,
             )
-            self.cluster.start_worker(f"{prefix}-{rank}", WorkerRole.TRAIN, placement, spec.to_argv())
-            self.train_worker_ids.append(f"{prefix}-{rank}")
-            started.append((f"{prefix}-{rank}", port_file, host))
-        self.train_addresses = [f"{host}:{self.cluster.wait_for_file(w, f)}" for w, f, host in started]
+            worker_id = f"{prefix}-{rank}"
+            # All launched before any is waited for: rank 0 serves only once every rank joined.
+            launched.append(
+                self.fleet.launch(worker_id, WorkerRole.TRAIN, placement, spec.to_argv(), port_file)
+            )
+            self.train_worker_ids.append(worker_id)
+        self.train_addresses = []
+        for record in launched:
+            self.fleet.wait_serving(record)
+            record.address = f"{self.cluster.agent_host(record.placement.agent_id)}:{record.address}"
+            self.train_addresses.append(record.address)
         self.trainer = TrainRanks(self.train_addresses, self.token, self.config.control)
         return self.train_addresses
 
@@ -275,13 +281,20 @@ class JobWorkers:
         worker_id = f"rollout-{instance_id}"
         placement = placement or self.cluster.place(tp_size, f"rollout instance {instance_id} (TP {tp_size})")
         address_file = self.run_dir / f"{worker_id}.addr"
-        address_file.unlink(missing_ok=True)
         argv = self.rollout_argv(tp_size, self.cluster.agent_host(placement.agent_id), address_file)
         started = time.monotonic()
-        await asyncio.to_thread(self.cluster.start_worker, worker_id, WorkerRole.ROLLOUT, placement, argv)
-        address = await asyncio.to_thread(self.cluster.wait_for_file, worker_id, address_file)
+        record = await asyncio.to_thread(
+            self.fleet.start,
+            worker_id,
+            WorkerRole.ROLLOUT,
+            placement,
+            argv,
+            address_file,
+            tp_size=tp_size,
+            instance_id=instance_id,
+        )
+        address = record.address
         self.instance_start_s.append(time.monotonic() - started)
-        self.instances[instance_id] = (worker_id, tp_size)
         # The engine starts on the initial checkpoint; a restarted instance is brought to the
         # current version before the router sees it.
         self.ledger.add_instance(str(instance_id), now=time.monotonic())
@@ -317,13 +330,14 @@ class JobWorkers:
         ids = list(self._loaders)
         loaded = await asyncio.gather(*(self._bring_up_to_date(i) for i in ids))
         for instance_id, ok in zip(ids, loaded, strict=True):
-            if not ok and instance_id in self.instances:
-                worker_id = self.instances[instance_id][0]
+            record = self.fleet.instance(instance_id)
+            if not ok and record is not None:
                 error = self.ledger.given_up().get(str(instance_id), "")
                 self.recorder.event(
-                    JobEvent.LOAD_GIVEN_UP, f"{worker_id} stays behind version {version}: {error}"
+                    JobEvent.LOAD_GIVEN_UP, f"{record.worker_id} stays behind version {version}: {error}"
                 )
-                await asyncio.to_thread(self.cluster.stop_worker, worker_id)  # the watchdog restarts it
+                # Ended as a loss: the fleet's watchdog has it restarted on the current version.
+                await asyncio.to_thread(self.fleet.stop, record.worker_id, planned=False)
         seconds = time.perf_counter() - started
         logger.info(
             "published version %d in %.3f s (gather %.3f s, reshard %.3f s, slowest load %.3f s)",
@@ -362,11 +376,11 @@ class JobWorkers:
                 if task is None:
                     await asyncio.sleep(0.05)  # backing off
                     continue
-                client, entry = self._loaders.get(instance_id), self.instances.get(instance_id)
-                if client is None or entry is None:
+                client, record = self._loaders.get(instance_id), self.fleet.instance(instance_id)
+                if client is None or record is None:
                     return False  # lost meanwhile
                 try:
-                    result = await client.load_weights(self.loads[entry[1]])
+                    result = await client.load_weights(self.loads[record.tp_size])
                     ok, error, version = result.ok, result.error, result.version
                 except (InstanceUnavailable, ValueError) as e:
                     ok, error, version = False, str(e), -1
@@ -433,54 +447,42 @@ class JobWorkers:
             self.recorder.occupancy(sample)
             self.progress.occupancy(per_bucket, sample.tokens_per_s)
 
-    async def _watch_instances(self) -> None:
-        """A rollout worker that ended without being asked is marked lost (its trajectories
-        reroute themselves), then restarted on the same devices and brought to the current
-        weights before it rejoins."""
-        while not self._closing:
-            await asyncio.sleep(0.5)
-            for instance_id, (worker_id, tp_size) in list(self.instances.items()):
-                if self._closing:
-                    break
-                status = self.cluster.worker_state(worker_id)
-                if status is None or not status.state.ended or self._withdrawn(instance_id):
-                    continue  # a plan stopping an instance is no failure: the plan forgets it
-                del self.instances[instance_id]
-                self.ledger.remove_instance(str(instance_id))
-                self._load_locks.pop(instance_id, None)
-                # Closed at stop(), not now: a load in flight on it fails on its own (the
-                # instance is gone), whereas closing the channel would cancel it.
-                self._retired.append(self._loaders.pop(instance_id))
-                # The agent loop may have noticed first (a failed call); either way the pool tells
-                # the router once and the displaced trajectories reroute themselves.
-                self.pool.mark_lost(instance_id, f"worker {worker_id} {status.state.name}")
-                message = f"{worker_id} ended ({status.state.name}, exit {status.exit_code})"
-                self.recorder.event(JobEvent.INSTANCE_LOST, message)
-                placement = self.cluster.workers.pop(worker_id)
-                if not self.cluster.agent_alive(placement.agent_id):
-                    # Its node is gone: nothing to restart there; the planner re-plans without it.
-                    self.recorder.event(
-                        JobEvent.INSTANCE_ABANDONED,
-                        f"{worker_id}: node agent {placement.agent_id} is lost",
-                        live_instances=len(self.pool.live_ids()),
-                    )
-                    if self.on_instance_gone is not None:
-                        self.on_instance_gone(instance_id)
-                    continue
-                self.restarts += 1
-                self.restarts_in_progress += 1
-                try:
-                    new_id = await self._start_instance(tp_size, placement)
-                finally:
-                    self.restarts_in_progress -= 1
-                if self.on_instance_restarted is not None:
-                    self.on_instance_restarted(instance_id, new_id)
-                self.recorder.event(
-                    JobEvent.INSTANCE_RESTARTED,
-                    f"{worker_id} restarted as rollout-{new_id}",
-                    version=self.current_version,
-                    live_instances=len(self.pool.live_ids()),
-                )
+    async def _instance_lost(self, record: FleetWorker) -> None:
+        """A rollout instance ended unasked: it is marked lost (its trajectories reroute
+        themselves), then restarted on the same devices and brought to the current weights
+        before it rejoins. One whose node agent is lost is abandoned (the planner re-plans)."""
+        instance_id, worker_id = record.instance_id, record.worker_id
+        if self._withdrawn(instance_id):
+            return  # a plan stopping an instance is no failure: the plan forgets it
+        self.forget_instance_now(instance_id)
+        # The agent loop may have noticed first (a failed call); either way the pool tells the
+        # router once and the displaced trajectories reroute themselves.
+        self.pool.mark_lost(instance_id, f"worker {worker_id} {record.lost_reason}")
+        self.recorder.event(JobEvent.INSTANCE_LOST, f"{worker_id} ended ({record.lost_reason})")
+        if record.agent_lost or not self.cluster.agent_alive(record.placement.agent_id):
+            # Its node is gone: nothing to restart there; the planner re-plans without it.
+            self.recorder.event(
+                JobEvent.INSTANCE_ABANDONED,
+                f"{worker_id}: node agent {record.placement.agent_id} is lost",
+                live_instances=len(self.pool.live_ids()),
+            )
+            if self.on_instance_gone is not None:
+                self.on_instance_gone(instance_id)
+            return
+        self.restarts += 1
+        self.restarts_in_progress += 1
+        try:
+            new_id = await self._start_instance(record.tp_size, record.placement)
+        finally:
+            self.restarts_in_progress -= 1
+        if self.on_instance_restarted is not None:
+            self.on_instance_restarted(instance_id, new_id)
+        self.recorder.event(
+            JobEvent.INSTANCE_RESTARTED,
+            f"{worker_id} restarted as rollout-{new_id}",
+            version=self.current_version,
+            live_instances=len(self.pool.live_ids()),
+        )
 
     def _withdrawn(self, instance_id: int) -> bool:
         try:
@@ -492,7 +494,7 @@ class JobWorkers:
 
     def tp_sizes_in_use(self) -> list[int]:
         """TP sizes weights are published for: the launched ones and any a plan started."""
-        return sorted({*self.job.rollout_tp_sizes, *(tp for _, tp in self.instances.values())})
+        return sorted({*self.job.rollout_tp_sizes, *(r.tp_size for r in self.fleet.rollout_instances())})
 
     def rollout_argv(self, tp_size: int, host: str, address_file: Path) -> list[str]:
         """The command line of a rollout instance of this job (its own and those plans start)."""
@@ -519,8 +521,10 @@ class JobWorkers:
             raise ValueError(f"no published weights for TP-{tp_size} yet; the instance would stay behind")
         instance_id = self._next_instance_id
         self._next_instance_id += 1
-        self.cluster.workers[worker_id] = Placement(agent_id, tuple(devices))
-        self.instances[instance_id] = (worker_id, tp_size)
+        placement = Placement(agent_id, tuple(devices))
+        self.fleet.adopt(
+            worker_id, WorkerRole.ROLLOUT, placement, address, tp_size=tp_size, instance_id=instance_id
+        )
         self.ledger.add_instance(str(instance_id), now=time.monotonic())
         self._loaders[instance_id] = InstanceClient(address, self.token, self.config.control)
         self._load_locks[instance_id] = asyncio.Lock()
@@ -535,17 +539,19 @@ class JobWorkers:
         self.forget_instance_now(instance_id)
 
     def forget_instance_now(self, instance_id: int) -> None:
-        entry = self.instances.pop(instance_id, None)
-        if entry is None:
+        record = self.fleet.instance(instance_id)
+        if record is None:
             return
+        self.fleet.forget(record.worker_id)
         try:
             self.ledger.remove_instance(str(instance_id))
         except LookupError:
             pass
         self._load_locks.pop(instance_id, None)
+        # Closed at stop(), not now: a load in flight on it fails on its own (the instance is
+        # gone), whereas closing the channel would cancel it.
         if instance_id in self._loaders:
             self._retired.append(self._loaders.pop(instance_id))
-        self.cluster.workers.pop(entry[0], None)
 
     def router_state(self) -> str:
         router = self.pool.router
@@ -556,20 +562,10 @@ class JobWorkers:
             self.pool.router.restore(bytes.fromhex(state))
 
     def instance_pids(self) -> dict[str, int]:
-        out = {}
-        for worker_id, _ in self.instances.values():
-            status = self.cluster.worker_state(worker_id)
-            if status is not None:
-                out[worker_id] = status.pid
-        return out
+        return self.fleet.pids(WorkerRole.ROLLOUT)
 
     async def stop(self) -> None:
-        # A restart in progress is finished first (bounded by the worker start timeout), so the
-        # run's fault record is complete and no worker is stopped half-started.
-        self._closing = True
-        watchdog = self._background[1:] if self._background else []
-        if watchdog:
-            await asyncio.wait(watchdog, timeout=self.job.worker_start_timeout_s)
+        await self.fleet.close(timeout_s=self.job.worker_start_timeout_s)
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

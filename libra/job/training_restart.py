@@ -15,7 +15,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from libra.job.workers import Placement
+from libra.job.cluster import Placement
 from libra.planner.diff import RestartTraining
 
 if TYPE_CHECKING:

@@ -1,10 +1,9 @@
 """A hybrid replica of the elastic hybrid pool as a worker process, started by the plan executor
 through a node agent on devices taken from rollout.
 
-    python -m libra.training.hybrid_worker --hf-model DIR --lane HOST:PORT [--lane HOST:PORT ...] \
-        --replica R --generation G [--training JSON] [--backend cpu] [--ready-file F] [--result-file F]
+    python -m libra.training.hybrid_worker --spec JSON      (a `HybridReplicaSpec`)
 
-One `--lane` per TP rank of the core replica it pairs with, in TP order: the replica has the
+One lane address per TP rank of the core replica it pairs with, in TP order: the replica has the
 core's TP = T (PP = 1) and is T processes in its own torch.distributed world (the core's process
 groups are never touched). The process the agent starts is TP rank 0 on the worker's first device;
 it starts ranks 1..T-1 as its children on the next devices (they die with it, and stopping the
@@ -12,13 +11,12 @@ worker stops its whole process group) and exits as soon as one of them fails. Ea
 the same engine as its core rank, connects to its core rank's lane and follows the join protocol
 (`libra.training.hybrid.run_hybrid_replica`) until the core releases it (exit 0); rank 0 writes
 the ready file once the replica's world is up. A lost lane or any failure exits non-zero; the
-core has rolled the whole replica back by then. `--training` must be the core's TrainingConfig
-(parallel sizes aside), or the replicas would not step in lockstep.
+core has rolled the whole replica back by then.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -26,12 +24,67 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from libra.backends.config import BackendConfig
 from libra.control.lifetime import die_with_parent
+from libra.launch_spec import ArgvSpec
 from libra.logs import configure_logging
+from libra.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HybridReplicaSpec(ArgvSpec):
+    """How to start one hybrid replica: its TP rank 0, which starts the other ranks itself."""
+
+    module = "libra.training.hybrid_worker"
+    hf_model: str
+    """The HF model folder the core started from."""
+    lanes: tuple[str, ...]
+    """host:port of each lane of the paired core replica, one per TP rank, in TP order."""
+    replica: int
+    """Its DP replica index (>= 1; the core is replica 0)."""
+    generation: int
+    """The join's generation (>= 1)."""
+    training: TrainingConfig
+    """The core's training config, or the replicas would not step in lockstep; its parallel sizes
+    are the core's, the replica's own are TP = len(lanes), PP = DP = 1."""
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    ready_file: str | None = None
+    """Written by rank 0 with the lane addresses once the replica's world is up."""
+    result_file: str | None = None
+    """torch.save of the steps run and their losses (rank 0)."""
+    tp_rank: int = 0
+    master_port: int | None = None
+    """Of the replica's own world; rank 0 picks it and gives it to the others."""
+    parent_pid: int | None = None
+    """Rank 0's pid (ranks > 0 die with it)."""
+
+    def __post_init__(self) -> None:
+        if self.replica < 1 or self.generation < 1:
+            raise ValueError(f"replica and generation must be >= 1, got {self.replica}, {self.generation}")
+        if not self.lanes:
+            raise ValueError("lanes: one address per TP rank of the core replica, got none")
+        if not 0 <= self.tp_rank < len(self.lanes):
+            raise ValueError(
+                f"tp_rank must be in [0, {len(self.lanes)}) for {len(self.lanes)} lanes, got {self.tp_rank}"
+            )
+        if self.tp_rank > 0 and (self.master_port is None or self.parent_pid is None):
+            raise ValueError("tp_rank > 0 needs the master_port and parent_pid of rank 0")
+
+    def other_rank(self, tp_rank: int, master_port: int, parent_pid: int) -> HybridReplicaSpec:
+        """TP rank `tp_rank` of the same replica (rank 0 alone writes the files)."""
+        return dataclasses.replace(
+            self,
+            tp_rank=tp_rank,
+            master_port=master_port,
+            parent_pid=parent_pid,
+            ready_file=None,
+            result_file=None,
+        )
 
 
 def _free_port() -> int:
@@ -46,75 +99,21 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def hybrid_worker_argv(
-    hf_model: str,
-    lanes: tuple[str, ...],
-    replica: int,
-    generation: int,
-    training: str,
-    ready_file: str,
-    backend: str = "cpu",
-) -> list[str]:
-    """The command line that starts this worker (what `main` parses): `lanes` are the addresses of
-    the paired core replica's lanes, one per TP rank."""
-    return [
-        sys.executable,
-        "-m",
-        "libra.training.hybrid_worker",
-        "--hf-model",
-        hf_model,
-        *(arg for lane in lanes for arg in ("--lane", lane)),
-        "--replica",
-        str(replica),
-        "--generation",
-        str(generation),
-        "--training",
-        training,
-        "--backend",
-        backend,
-        *(("--ready-file", ready_file) if ready_file else ()),
-    ]
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m libra.training.hybrid_worker", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--hf-model", required=True, help="HF model folder the core started from")
-    parser.add_argument(
-        "--lane", action="append", required=True, help="host:port of a core rank's lane, one per TP rank"
-    )
-    parser.add_argument("--replica", type=int, required=True, help="its DP replica index")
-    parser.add_argument("--generation", type=int, required=True, help="the join's generation")
-    parser.add_argument("--training", default="", help="JSON object of the core's TrainingConfig fields")
-    parser.add_argument("--backend", default="cpu")
-    parser.add_argument(
-        "--ready-file", default=None, help="written with the lane addresses once the replica's world is up"
-    )
-    parser.add_argument("--result-file", default=None, help="torch.save of the steps run and their losses")
-    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--master-port", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.replica < 1 or args.generation < 1:
-        parser.error(f"--replica and --generation must be >= 1, got {args.replica}, {args.generation}")
-    tp, rank = len(args.lane), args.tp_rank
-    if not 0 <= rank < tp:
-        parser.error(f"--tp-rank must be in [0, {tp}) for {tp} --lane addresses, got {rank}")
-    if rank > 0 and (args.master_port is None or args.parent_pid is None):
-        parser.error("--tp-rank > 0 needs the --master-port and --parent-pid of rank 0")
+    spec = HybridReplicaSpec.from_argv(sys.argv[1:] if argv is None else argv)
+    tp, rank = len(spec.lanes), spec.tp_rank
     if rank > 0:
         # A rank left alone would wait in the replica's rendezvous or a collective on devices
         # already handed back.
-        die_with_parent(signal.SIGKILL, args.parent_pid)
-    configure_logging(f"hybrid-replica-{args.replica}-tp{rank}")
-    master_port = args.master_port or _free_port()
-    children = _start_other_ranks(args, master_port) if rank == 0 else []
+        die_with_parent(signal.SIGKILL, spec.parent_pid)
+    configure_logging(f"hybrid-replica-{spec.replica}-tp{rank}")
+    master_port = spec.master_port or _free_port()
+    children = _start_other_ranks(spec, master_port) if rank == 0 else []
 
     from libra.backends import get_backend
 
     os.environ["LOCAL_RANK"] = str(rank)  # the worker's devices: TP rank t takes the t-th
-    backend = get_backend(args.backend)
+    backend = get_backend(spec.backend.name, **spec.backend.options())
     backend.prepare_worker()
     from transformers import AutoConfig
 
@@ -123,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     from libra.training.hybrid import run_hybrid_replica
     from libra.training.model import ModelArchitecture
     from libra.training.parallel import initialize, shutdown
-    from libra.training.worker import training_config_from_json
 
-    cfg = training_config_from_json(args.training, tensor_parallel=tp, pipeline_parallel=1, data_parallel=1)
+    cfg = dataclasses.replace(spec.training, tensor_parallel=tp, pipeline_parallel=1, data_parallel=1)
     info = initialize(
         tp,
         1,
@@ -136,54 +134,40 @@ def main(argv: list[str] | None = None) -> int:
         backend=backend.distributed_backend,
         seed=cfg.seed,
     )
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(args.hf_model))
+    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec.hf_model))
     # No optimizer: the replica takes its weights from its core rank (`libra.training.hybrid`).
     engine = TrainEngine(arch, cfg, info, device=backend.torch_device(rank), with_optimizer=False)
-    engine.load_hf(hf_tensor_reader(args.hf_model))
-    if args.ready_file and rank == 0:
-        _write_atomically(args.ready_file, ",".join(args.lane))
+    engine.load_hf(hf_tensor_reader(spec.hf_model))
+    if spec.ready_file:
+        _write_atomically(spec.ready_file, ",".join(spec.lanes))
     losses: dict[int, float] = {}
     num_steps = run_hybrid_replica(
         engine,
-        args.lane[rank],
-        replica=args.replica,
-        generation=args.generation,
+        spec.lanes[rank],
+        replica=spec.replica,
+        generation=spec.generation,
         on_step=lambda step, result: losses.__setitem__(step, result.loss),
     )
     print(
-        f"hybrid replica {args.replica} TP rank {rank} (generation {args.generation}) "
+        f"hybrid replica {spec.replica} TP rank {rank} (generation {spec.generation}) "
         f"released after {num_steps} steps"
     )
-    if args.result_file and rank == 0:
+    if spec.result_file:
         import torch
 
-        torch.save({"steps": num_steps, "losses": losses}, args.result_file)
+        torch.save({"steps": num_steps, "losses": losses}, spec.result_file)
     shutdown()
     # Released together: each rank exits 0 after its own release.
     return 1 if any(child.wait() != 0 for child in children) else 0
 
 
-def _start_other_ranks(args: argparse.Namespace, master_port: int) -> list[subprocess.Popen]:
-    """Starts TP ranks 1..T-1 of the replica (rank 0's command line without the files it writes)
-    and watches them: one that fails ends this process, and with it the replica (a rank left alone
-    would wait for its peers in a collective until a timeout)."""
-    argv = hybrid_worker_argv(
-        args.hf_model, tuple(args.lane), args.replica, args.generation, args.training, "", args.backend
-    )
+def _start_other_ranks(spec: HybridReplicaSpec, master_port: int) -> list[subprocess.Popen]:
+    """Starts TP ranks 1..T-1 of the replica and watches them: one that fails ends this process,
+    and with it the replica (a rank left alone would wait for its peers in a collective until a
+    timeout)."""
     children = [
-        subprocess.Popen(
-            [
-                *argv,
-                "--tp-rank",
-                str(rank),
-                "--master-port",
-                str(master_port),
-                "--parent-pid",
-                str(os.getpid()),
-            ],
-            stdin=subprocess.DEVNULL,
-        )
-        for rank in range(1, len(args.lane))
+        subprocess.Popen(spec.other_rank(rank, master_port, os.getpid()).to_argv(), stdin=subprocess.DEVNULL)
+        for rank in range(1, len(spec.lanes))
     ]
 
     def watch(rank: int, child: subprocess.Popen) -> None:

@@ -11,12 +11,11 @@ The bearer token comes from LIBRA_TOKEN.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from libra.backends.config import BackendConfig
@@ -28,7 +27,7 @@ from libra.logs import configure_logging
 from libra.sync.config import SyncConfig
 from libra.sync.layouts import ModelShape
 from libra.sync.trainer_publisher import SourceRank, TrainerPublisher
-from libra.training.config import GrpoConfig, TrainingConfig
+from libra.training.config import TrainingConfig
 from libra.training.elastic import ElasticConfig
 from libra.trajectory import TOOL_TOKEN_VERSION, Trajectory
 
@@ -99,20 +98,6 @@ def trajectory_to_proto(t: Trajectory):
         reward=t.reward or 0.0,
         has_reward=t.reward is not None,
     )
-
-
-def training_config_from_json(text: str, **parallel: int) -> TrainingConfig:
-    """TrainingConfig from a JSON object of its fields (nested `grpo`); unknown fields are errors."""
-    raw = json.loads(text) if text else {}
-    if not isinstance(raw, dict):
-        raise ValueError("--training must be a JSON object")
-    grpo = raw.pop("grpo", {})
-    for cls, values, prefix in ((TrainingConfig, raw, "training"), (GrpoConfig, grpo, "training.grpo")):
-        known = {f.name for f in fields(cls) if not is_dataclass(f.type)}
-        unknown = set(values) - known - ({"grpo"} if cls is TrainingConfig else set())
-        if unknown:
-            raise ValueError(f"unknown {prefix} options {sorted(unknown)}")
-    return TrainingConfig(**raw, **parallel, grpo=GrpoConfig(**grpo))
 
 
 def model_shape(arch) -> ModelShape:

@@ -156,16 +156,18 @@ JOB = textwrap.dedent("""
     from pathlib import Path
     from libra.backends.config import BackendConfig
     from libra.config import LibraConfig
-    from libra.control import WorkerRole
+    from libra.control import WorkerRole, WorkerSpec
     from libra.control.config import ControlConfig
-    from libra.job.workers import JobCluster
+    from libra.job.cluster import JobCluster
     run_dir = Path(sys.argv[1])
     (run_dir / "logs").mkdir(parents=True)
     backend = BackendConfig(name="cpu", num_devices=1)
     config = LibraConfig(run_dir=str(run_dir), control=ControlConfig(port=0), backend=backend)
     cluster = JobCluster(config).start()
     argv = [sys.executable, "-c", sys.argv[2]]
-    cluster.start_worker("tree", WorkerRole.GENERIC, cluster.place(1, "the tree worker"), argv)
+    placement = cluster.place(1, "the tree worker")
+    spec = WorkerSpec("tree", WorkerRole.GENERIC, placement.devices, tuple(argv), {})
+    cluster.client.start_worker(placement.agent_id, spec)
     time.sleep(120)
 """)
 

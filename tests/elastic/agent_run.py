@@ -16,8 +16,6 @@ Results go to `result_core_agent.pt` in the spec's out_dir.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -51,23 +49,20 @@ class Launcher:
 
     def hybrid_replica(self, action, join):
         from libra.planner.controls import LaunchSpec
-        from libra.training.hybrid_worker import hybrid_worker_argv
+        from libra.training.hybrid_worker import HybridReplicaSpec
         from tests.elastic.ehp_job import training_config
 
-        raw = dataclasses.asdict(training_config(1))
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
-            raw.pop(name)
         tag = f"hybrid{action.replica}-g{join.generation}"
-        argv = hybrid_worker_argv(
-            self.spec["model"],
-            join.lane_addresses,
-            action.replica,
-            join.generation,
-            json.dumps(raw),
-            str(self.out_dir / f"{tag}.ready"),
+        spec = HybridReplicaSpec(
+            hf_model=self.spec["model"],
+            lanes=tuple(join.lane_addresses),
+            replica=action.replica,
+            generation=join.generation,
+            training=training_config(1),
+            ready_file=str(self.out_dir / f"{tag}.ready"),
         )
         env = {"PYTHONPATH": str(_REPO), "PYTHONWARNINGS": "ignore"}
-        return LaunchSpec(tuple(argv), env=env, cwd=str(_REPO), ready_file=str(self.out_dir / f"{tag}.ready"))
+        return LaunchSpec(tuple(spec.to_argv()), env=env, cwd=str(_REPO), ready_file=spec.ready_file)
 
 
 def _spawn_agent(controller, out_dir: Path) -> subprocess.Popen:

@@ -74,7 +74,7 @@ def _kill_the_tp2_instance(job: GrpoJob, run_dir: Path, killed: dict) -> None:
     time.sleep(KILL_AFTER_S)
     pids = job.workers.instance_pids()
     killed["worker"] = "rollout-0"
-    killed["tp"] = dict(job.workers.instances.values())["rollout-0"]
+    killed["tp"] = job.workers.fleet.get("rollout-0").tp_size
     os.killpg(pids["rollout-0"], signal.SIGKILL)
     # A client of the controller's gRPC API follows the job as `libra status --watch` does.
     address = (run_dir / "controller.addr").read_text().strip()

@@ -13,12 +13,14 @@ from types import SimpleNamespace
 import pytest
 
 from libra.config import load_config
+from libra.control import WorkerRole
 from libra.control.config import ControlConfig
 from libra.control.events import EventBus
 from libra.control.types import AgentState, ClusterState
+from libra.job.cluster import Placement
+from libra.job.fleet import Fleet
 from libra.job.planning import JobPlanning, RankHybridControl, StepTimes, unsupported
 from libra.job.problem import cluster_spec, model_arch, planning_problem
-from libra.job.workers import Placement
 from libra.planner import Planner, RequestRecord
 from libra.planner.actions import ActionResult, ExecutionReport, Outcome, RunningWorker
 from libra.planner.device_map import DeviceMap
@@ -134,19 +136,24 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
     async def forget(instance_id: int) -> None:
         forgotten.append(instance_id)
 
+    cluster = SimpleNamespace(
+        controller=controller,
+        planner=planner,
+        device_map=lambda: DeviceMap.from_cluster_state(controller.cluster.snapshot()),
+    )
+    fleet = Fleet(cluster, start_timeout_s=1.0)
+    for instance_id in (0, 1):
+        placement = Placement("agent-0", (instance_id + 1,))
+        address = f"127.0.0.1:{9000 + instance_id}"
+        fleet.adopt(f"rollout-{instance_id}", WorkerRole.ROLLOUT, placement, address, instance_id=instance_id)
     workers = SimpleNamespace(
-        cluster=SimpleNamespace(
-            controller=controller,
-            planner=planner,
-            workers={"rollout-0": Placement("agent-0", (1,)), "rollout-1": Placement("agent-0", (2,))},
-            device_map=lambda: DeviceMap.from_cluster_state(controller.cluster.snapshot()),
-        ),
+        cluster=cluster,
+        fleet=fleet,
         token="token",
         config=config,
         job=config.job,
         pool=FakePool([0, 1]),
         planning_problem=problem,
-        instances={0: ("rollout-0", 1), 1: ("rollout-1", 1)},
         forget_instance=forget,
         run_dir=tmp_path,
         restarts_in_progress=0,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from libra.control import WorkerRole
+from libra.job.cluster import Placement
 from libra.job.setup import JobWorkers
 from libra.rollout import InstanceUnavailable
 from libra.sync import VersionLedger
@@ -49,7 +51,8 @@ def _workers(clients: dict[int, _FlakyClient], max_attempts: int = 3) -> JobWork
     workers.recorder = _Recorder()
     workers.ledger = VersionLedger(initial_version=0, max_attempts=max_attempts, backoff_s=0.01)
     for instance_id, client in clients.items():
-        workers.instances[instance_id] = (f"rollout-{instance_id}", 1)
+        worker_id, placement = f"rollout-{instance_id}", Placement("agent-0", (instance_id,))
+        workers.fleet.adopt(worker_id, WorkerRole.ROLLOUT, placement, "", instance_id=instance_id)
         workers.ledger.add_instance(str(instance_id))
         workers._loaders[instance_id] = client
         workers._load_locks[instance_id] = asyncio.Lock()
@@ -87,7 +90,7 @@ def test_an_instance_that_keeps_failing_is_given_up_and_a_lost_one_dropped():
         task = asyncio.create_task(workers._bring_up_to_date(1))
         await asyncio.sleep(0.005)
         workers.ledger.remove_instance("1")
-        del workers.instances[1]
+        workers.fleet.forget("rollout-1")
         return gave_up, await task
 
     assert asyncio.run(scenario()) == (False, False)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from libra.control.types import ClusterState
+from libra.job.cluster import Placement
 from libra.job.training_restart import JobTrainingRestart
-from libra.job.workers import Placement
 from libra.planner.device_map import DeviceMap
 from libra.planner.diff import RestartTraining
 from libra.training.config import TrainingConfig

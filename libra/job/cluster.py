@@ -1,37 +1,33 @@
-"""Placing and starting the job's workers through the control plane.
+"""The job's cluster: the controller (in the job's own process), the node agents, and where
+workers go.
 
-The job runs the controller in its own process. It starts a node agent on this host (the embedded
-default) or waits for the agents a launcher started, then asks the agents — through the
-controller's ClusterApi, like any orchestration would — to start each rollout instance and train
-rank as a worker process on its devices. Workers write their address to a file in the run
-folder once they serve (any free port), which is how the job finds them.
+The job runs the controller itself. It starts a node agent on this host (the embedded default) or
+waits for the agents a launcher started; the fleet (`libra.job.fleet`) then asks the agents,
+through the controller's ClusterApi like any orchestration would, to start each rollout instance
+and train rank as a worker process on the devices placed here.
 
-Placement is first-fit over the agents' devices in registration order: rollout instances first
-(TP k takes k devices of one agent), then the train ranks.
+Placement is first-fit over the agents' devices in registration order, in aligned blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from libra.config import LibraConfig
-from libra.control import ClusterClient, Controller, WorkerRole, WorkerSpec, WorkerState
+from libra.control import ClusterClient, Controller
 from libra.control.types import AgentState
 from libra.control.worker_guard import guarded
 from libra.planner.device_map import DeviceMap
 from libra.planner.planner import Planner
 from libra.planner.service import serve_planner
-from libra.training.config import TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -60,15 +56,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def training_json(training: TrainingConfig) -> str:
-    """The `--training` argument of a train rank: every field but the parallel sizes, which the
-    worker takes from its own arguments."""
-    raw = dataclasses.asdict(training)
-    for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
-        raw.pop(name)
-    return json.dumps(raw)
-
-
 class JobCluster:
     """The controller, the node agents and the job's workers; `stop()` ends what it started."""
 
@@ -82,8 +69,12 @@ class JobCluster:
         self._agent_process: subprocess.Popen | None = None
         self._client: ClusterClient | None = None
         self._free: list[tuple[str, list[int]]] = []
-        self.workers: dict[str, Placement] = {}
-        self._stopping = threading.Event()
+
+    @property
+    def client(self) -> ClusterClient:
+        """The controller's ClusterApi, as the job's orchestration calls it."""
+        assert self._client is not None, "the cluster is not started"
+        return self._client
 
     @property
     def token(self) -> str:
@@ -182,53 +173,8 @@ class JobCluster:
                 return a.address.rsplit(":", 1)[0]
         raise LookupError(f"no agent {agent_id!r}")
 
-    def start_worker(self, worker_id: str, role: WorkerRole, placement: Placement, argv: list[str]) -> int:
-        env = {"LIBRA_TOKEN": self.token, "PYTHONWARNINGS": "ignore"}
-        spec = WorkerSpec(worker_id, role, placement.devices, tuple(argv), env, cwd=os.getcwd())
-        status = self._client.start_worker(placement.agent_id, spec)
-        self.workers[worker_id] = placement
-        return status.pid
-
-    def worker_state(self, worker_id: str):
-        for w in self.controller.cluster.snapshot().workers:
-            if w.spec.worker_id == worker_id:
-                return w
-        return None
-
-    def wait_for_file(self, worker_id: str, path: Path) -> str:
-        """Waits until the worker has written `path` (its address or port); raises with the
-        worker's log tail when it ended first or took too long."""
-        deadline = time.monotonic() + self.job.worker_start_timeout_s
-        while time.monotonic() < deadline:
-            if self._stopping.is_set():
-                raise RuntimeError(f"the job stopped while worker {worker_id} was starting")
-            if path.is_file():
-                return path.read_text().strip()
-            status = self.worker_state(worker_id)
-            if status is not None and status.state.ended:
-                raise RuntimeError(
-                    f"worker {worker_id} ended ({status.state.name}, exit {status.exit_code}):\n"
-                    f"{_tail(status.log_path)}"
-                )
-            time.sleep(0.2)
-        status = self.worker_state(worker_id)
-        raise RuntimeError(
-            f"worker {worker_id} did not serve within {self.job.worker_start_timeout_s} s:\n"
-            f"{_tail(status.log_path if status else '')}"
-        )
-
-    def stop_worker(self, worker_id: str) -> None:
-        status = self.worker_state(worker_id)
-        if status is not None and status.state in (WorkerState.STARTING, WorkerState.RUNNING):
-            try:
-                self._client.stop_worker(worker_id, grace_s=5.0)
-            except Exception:  # noqa: BLE001 - the agent may be gone already; nothing left to stop
-                pass
-
     def stop(self) -> None:
-        self._stopping.set()
-        for worker_id in list(self.workers):
-            self.stop_worker(worker_id)
+        """Ends the agent it spawned (which stops every worker it runs) and the controller."""
         if self._client is not None:
             self._client.close()
         if self._agent_process is not None:
@@ -241,10 +187,3 @@ class JobCluster:
                 self._agent_process.kill()
         if self.controller is not None:
             self.controller.stop()
-
-
-def _tail(path: str, num_chars: int = 3000) -> str:
-    try:
-        return Path(path).read_text(errors="replace")[-num_chars:]
-    except OSError:
-        return f"(no log at {path!r})"
