@@ -105,7 +105,7 @@ class GrpoJob:
             await self.workers.start(self.recorder)
             self.recorder.publish_to(self.workers.cluster.controller.events)
             self._start_planning()
-            self.stream = TaskStream(self.workers.tasks, self.job.seed)
+            self.stream = TaskStream(self.workers.source.tasks, self.job.seed)
             if resume_state:
                 await self._restore(resume_state, superseded)
             self.rollout = self._group_rollout(self.job.group_size)
@@ -260,7 +260,7 @@ class GrpoJob:
     def _group_rollout(self, group_size: int) -> GroupRollout:
         return GroupRollout(
             self.workers.agent_loop,
-            self.workers.chat,
+            self.workers.source.chat,
             group_size,
             qa_metric=self.config.tasks.qa_metric,
             sandbox=self.workers.sandbox,
@@ -270,7 +270,7 @@ class GrpoJob:
         """Rolls the held-out tasks out with the current weights and records their reward; none
         of these trajectories is trained on. Their groups and prompt ids are negative, apart from
         the training prompts' in the router's prefix trees."""
-        tasks = self.workers.eval_tasks[: self.job.eval_tasks]
+        tasks = self.workers.source.eval_tasks[: self.job.eval_tasks]
         if not tasks:
             return
         print(

@@ -138,7 +138,7 @@ class JobLauncher:
         self._count += 1
         ready_file = workers.run_dir / f"hybrid-{action.replica}-g{join.generation}-{self._count}.ready"
         spec = HybridReplicaSpec(
-            hf_model=str(workers.model_dir),
+            hf_model=str(workers.source.model_dir),
             lanes=tuple(join.lane_addresses),
             replica=action.replica,
             generation=join.generation,

@@ -19,12 +19,12 @@ from libra.control import WorkerRole
 from libra.job.cluster import JobCluster, Placement, free_port
 from libra.job.fleet import Fleet, FleetWorker
 from libra.job.progress import Progress
+from libra.job.publication import WeightPublication
 from libra.job.recorder import ClusterSample, InstanceSample, JobEvent, RunRecorder
+from libra.job.task_source import load_task_source
 from libra.job.trainer import TrainRanks
-from libra.rollout import AgentLoop, InstanceClient, InstancePool, InstanceUnavailable
+from libra.rollout import AgentLoop, InstancePool
 from libra.scheduler import CmlfqRouter, make_router
-from libra.sync import VersionLedger
-from libra.sync.load_request import LoadRequest
 from libra.training.config import TrainingConfig
 from libra.training.hybrid import HYBRID_POOL_LIMITS
 from libra.training.worker import TrainRankSpec
@@ -32,9 +32,6 @@ from libra.training.worker import TrainRankSpec
 logger = logging.getLogger(__name__)
 
 _SAMPLE_INTERVAL_S = 1.0
-_LOAD_ATTEMPTS = 4
-_LOAD_BACKOFF_S = 0.5
-"""A failed load is retried after 0.5, 1 and 2 s; after 4 failures the instance is restarted."""
 
 
 class JobWorkers:
@@ -48,16 +45,6 @@ class JobWorkers:
         self.fleet.on_loss(WorkerRole.TRAIN, self._train_rank_lost)
         self._next_instance_id = 0
         self._background: list[asyncio.Task] = []
-        self.ledger = VersionLedger(initial_version=0, max_attempts=_LOAD_ATTEMPTS, backoff_s=_LOAD_BACKOFF_S)
-        """Which version each instance runs; owed and failed loads."""
-        self.loads: dict[int, LoadRequest] = {}
-        """What an instance of each TP size loads the latest version from."""
-        self.current_version = 0
-        self._loaders: dict[int, InstanceClient] = {}
-        """Instance id -> the client that loads its weights (live and starting instances)."""
-        self._load_locks: dict[int, asyncio.Lock] = {}
-        self._load_seconds: dict[int, float] = {}
-        self._retired: list[InstanceClient] = []
         self.restarts = 0
         self.restarts_in_progress = 0
         """Instances being restarted now (the planner waits for them)."""
@@ -83,14 +70,14 @@ class JobWorkers:
         self.recorder = recorder
         # Before the workers: the tools (the sandbox among them) decide the prompt's tool list.
         self.sandbox = await SandboxPool(self.config.tools.sandbox).start()
-        if self.config.tasks.dataset_path is None:
-            await self._procedural_tasks_and_tools()
-        else:
-            self._dataset_tasks_and_tools()
+        self.source = await load_task_source(self.config, self.sandbox)
 
         self.planning_problem = self._planning_problem()
         await asyncio.to_thread(self.cluster.start, self.planning_problem)
         self.token = self.cluster.token
+        self.publication = WeightPublication(
+            recorder, self.token, self.config.control, self.job.keep_weight_versions
+        )
         # Training takes the first devices, rollout instances the rest (largest TP first): the
         # planner's device numbering, so that the launch layout is a plan it can hold.
         train_placements = [
@@ -101,7 +88,9 @@ class JobWorkers:
         )
 
         agent = self.config.rollout.agent
-        self.agent_loop = AgentLoop(self.pool, self.chat, self.tools, agent, self.config.scheduler)
+        self.agent_loop = AgentLoop(
+            self.pool, self.source.chat, self.source.tools, agent, self.config.scheduler
+        )
         self.progress = Progress(
             self.job, self.config.run_dir, live=self.job.live_progress and sys.stdout.isatty()
         )
@@ -113,61 +102,8 @@ class JobWorkers:
             JobEvent.STARTED,
             f"{len(self.fleet.rollout_instances())} rollout instances, "
             f"{len(self.train_addresses)} train rank(s)",
-            model=str(self.model_dir),
+            model=str(self.source.model_dir),
         )
-
-    async def _procedural_tasks_and_tools(self) -> None:
-        """The default: the warm-started tiny policy (`job.model`, else built once and cached) on
-        its recipe's procedural suite, with the recipe's tools and chat format."""
-        from transformers import AutoTokenizer
-
-        from libra.job.rollouts import TimedTool
-        from libra.tasks.warm_start import (
-            COLLECTION_FILE,
-            WarmStartConfig,
-            cached_warm_start,
-            warm_start_chat,
-            warm_start_registry,
-            warm_start_suite,
-        )
-
-        recipe = WarmStartConfig()
-        if self.job.model:
-            self.model_dir = Path(self.job.model)
-        else:
-            print("[libra] building (or reusing) the warm-started tiny policy ...", flush=True)
-            self.model_dir = await asyncio.to_thread(cached_warm_start, recipe)
-        if not (self.model_dir / COLLECTION_FILE).is_file():
-            raise ValueError(
-                f"job.model {str(self.model_dir)!r} has no {COLLECTION_FILE}: without tasks.dataset_path the "
-                "job trains on the procedural tasks of a warm-started policy (leave job.model empty)"
-            )
-        # The warm-started policy's own suite (same difficulty and seed), its train split.
-        suite = warm_start_suite(recipe).tasks
-        self.tasks = [t.record for t in suite[: recipe.num_train_tasks]]
-        self.eval_tasks = [t.record for t in suite[recipe.num_train_tasks + recipe.num_val_tasks :]]
-        self.chat = warm_start_chat(AutoTokenizer.from_pretrained(self.model_dir))
-        registry = warm_start_registry(recipe, self.model_dir / COLLECTION_FILE, self.sandbox)
-        self.tools = [TimedTool(registry[name]) for name in registry.names]
-
-    def _dataset_tasks_and_tools(self) -> None:
-        """`tasks.dataset_path`'s records for the HF model `job.model`, with the tools of
-        `tools.enabled` (checked against the records' task types) listed in the model's own chat
-        template."""
-        from transformers import AutoTokenizer
-
-        from libra.job.rollouts import TimedTool, load_dataset_tasks
-        from libra.rollout.chat import ChatFormat
-        from libra.rollout.tools.registry import build_registry
-
-        self.model_dir = Path(self.job.model)
-        if not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"job.model {self.job.model!r} is not an HF model folder (no config.json)")
-        self.tasks = load_dataset_tasks(self.config.tasks, self.config.tools)
-        self.eval_tasks = []
-        registry = build_registry(self.config.tools, self.sandbox)
-        self.tools = [TimedTool(registry[name]) for name in registry.names]
-        self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir), tools=self.tools)
 
     @property
     def hosts_hybrid_lane(self) -> bool:
@@ -184,7 +120,7 @@ class JobWorkers:
             return None
         from libra.job.problem import planning_problem
 
-        return planning_problem(self.config, self.model_dir)
+        return planning_problem(self.config, self.source.model_dir)
 
     def train_layout(self) -> tuple[TrainingConfig, list[Placement]]:
         """The running training layout: its config and each rank's placement, in rank order."""
@@ -233,7 +169,7 @@ class JobWorkers:
             host = self.cluster.agent_host(placement.agent_id)
             port_file = self.run_dir / f"{prefix}-rank-{rank}.port"
             spec = TrainRankSpec(
-                hf_model=str(self.model_dir),
+                hf_model=str(self.source.model_dir),
                 rank=rank,
                 master_port=master_port,
                 training=training,
@@ -293,109 +229,42 @@ class JobWorkers:
             tp_size=tp_size,
             instance_id=instance_id,
         )
-        address = record.address
         self.instance_start_s.append(time.monotonic() - started)
         # The engine starts on the initial checkpoint; a restarted instance is brought to the
         # current version before the router sees it.
-        self.ledger.add_instance(str(instance_id), now=time.monotonic())
-        self._loaders[instance_id] = InstanceClient(address, self.token, self.config.control)
-        self._load_locks[instance_id] = asyncio.Lock()
-        if not await self._bring_up_to_date(instance_id):
-            raise RuntimeError(
-                f"{worker_id} could not load version {self.ledger.latest}: "
-                f"{self.ledger.given_up().get(str(instance_id), 'lost')}"
-            )
-        await self.pool.add(instance_id, address, tp_size, worker_id=worker_id)
+        try:
+            await self.publication.join(instance_id, record.address, tp_size)
+        except RuntimeError as e:
+            await asyncio.to_thread(self.fleet.stop, worker_id)
+            self.fleet.forget(worker_id)
+            raise RuntimeError(f"{worker_id} {e}") from e
+        await self.pool.add(instance_id, record.address, tp_size, worker_id=worker_id)
         return instance_id
 
     # -- weights -------------------------------------------------------------------------------
 
-    async def publish(self, version: int) -> float:
-        """Publishes the trainer's weights of `version` (PublishWeights: resharded into shared
-        memory for every rollout TP size) and switches every instance to it, concurrently
-        (LoadWeights). A failed load is retried with back-off while the instance keeps serving
-        its old version; an instance that fails `_LOAD_ATTEMPTS` times is restarted (the watchdog
-        brings it up on the current version). Returns the wall time."""
-        started = time.perf_counter()
-        # Versions that no instance runs any more, except the newest ones kept.
-        keep = set(self.ledger.published[-self.job.keep_weight_versions :])
-        release = [v for v in self.ledger.releasable() if v not in keep]
-        published = await asyncio.to_thread(
-            self.trainer.publish_weights, version, self.tp_sizes_in_use(), release
-        )
-        self.ledger.forget(release)
-        self.loads = published.loads
-        self.ledger.publish(version)
-        self.current_version = version
-        ids = list(self._loaders)
-        loaded = await asyncio.gather(*(self._bring_up_to_date(i) for i in ids))
-        for instance_id, ok in zip(ids, loaded, strict=True):
+    @property
+    def current_version(self) -> int:
+        """The version every instance runs or is being brought to."""
+        return self.publication.current_version
+
+    async def publish(self, version: int) -> None:
+        """Publishes the trainer's weights of `version` to every instance (`WeightPublication`);
+        an instance whose loads keep failing is stopped as a loss, so the fleet's watchdog has
+        it restarted on the current version."""
+        behind = await self.publication.publish(self.trainer, version, self.tp_sizes_in_use())
+        for instance_id, error in behind.items():
             record = self.fleet.instance(instance_id)
-            if not ok and record is not None:
-                error = self.ledger.given_up().get(str(instance_id), "")
-                self.recorder.event(
-                    JobEvent.LOAD_GIVEN_UP, f"{record.worker_id} stays behind version {version}: {error}"
-                )
-                # Ended as a loss: the fleet's watchdog has it restarted on the current version.
-                await asyncio.to_thread(self.fleet.stop, record.worker_id, planned=False)
-        seconds = time.perf_counter() - started
-        logger.info(
-            "published version %d in %.3f s (gather %.3f s, reshard %.3f s, slowest load %.3f s)",
-            version,
-            seconds,
-            published.gather_seconds,
-            published.publish_seconds,
-            max((self._load_seconds.get(i, 0.0) for i in ids), default=0.0),
-        )
-        return seconds
+            if record is None:
+                continue
+            self.recorder.event(
+                JobEvent.LOAD_GIVEN_UP, f"{record.worker_id} stays behind version {version}: {error}"
+            )
+            await asyncio.to_thread(self.fleet.stop, record.worker_id, planned=False)
 
     def republish(self) -> None:
-        """Publishes the current version again, from the trainer as it is now: after a training
-        restart the old ranks' buffers went with them, and an instance (re)started before the next
-        step must still find the version it is owed."""
-        published = self.trainer.publish_weights(self.current_version, self.tp_sizes_in_use())
-        self.loads = published.loads
-
-    async def _bring_up_to_date(self, instance_id: int) -> bool:
-        """Loads the latest version into the instance, retrying failed loads as the ledger says
-        (the instance serves its old version meanwhile). False when the ledger gave up on it or
-        the instance went away."""
-        name, lock = str(instance_id), self._load_locks.get(instance_id)
-        if lock is None:
-            return False  # lost before its turn
-        async with lock:
-            while True:
-                try:
-                    if self.ledger.version_of(name) >= self.ledger.latest:
-                        return True
-                except LookupError:
-                    return False  # lost meanwhile
-                if name in self.ledger.given_up():
-                    return False
-                task = next((t for t in self.ledger.due(time.monotonic()) if t.instance == name), None)
-                if task is None:
-                    await asyncio.sleep(0.05)  # backing off
-                    continue
-                client, record = self._loaders.get(instance_id), self.fleet.instance(instance_id)
-                if client is None or record is None:
-                    return False  # lost meanwhile
-                try:
-                    result = await client.load_weights(self.loads[record.tp_size])
-                    ok, error, version = result.ok, result.error, result.version
-                except (InstanceUnavailable, ValueError) as e:
-                    ok, error, version = False, str(e), -1
-                try:
-                    if ok:
-                        self.ledger.loaded(name, version, time.monotonic())
-                        self._load_seconds[instance_id] = result.seconds
-                        continue
-                    self.ledger.failed(name, task.version, error, time.monotonic())
-                except LookupError:
-                    return False  # lost while loading
-                self.recorder.event(
-                    JobEvent.LOAD_FAILED,
-                    f"rollout-{instance_id} attempt {task.attempt} of version {task.version}: {error}",
-                )
+        """The current version again, from the trainer as it is now (after a training restart)."""
+        self.publication.republish(self.trainer, self.tp_sizes_in_use())
 
     # -- observation ---------------------------------------------------------------------------
 
@@ -502,10 +371,11 @@ class JobWorkers:
 
         inst = self.config.rollout.instance
         # The context window cannot exceed the model's positions (vLLM refuses to start).
-        positions = json.loads((self.model_dir / "config.json").read_text()).get("max_position_embeddings")
+        model_dir = self.source.model_dir
+        positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
         config = dataclasses.replace(
             inst,
-            model=str(self.model_dir),
+            model=str(model_dir),
             max_model_len=min(inst.max_model_len, positions or inst.max_model_len),
             tensor_parallel_size=tp_size,
         )
@@ -517,20 +387,17 @@ class JobWorkers:
     ) -> int:
         """An instance a plan started (its worker serves at `address`): brought to the current
         weights, then added to the pool and watched like the job's own. Returns its pool id."""
-        if tp_size not in self.loads and self.ledger.latest > 0:
-            raise ValueError(f"no published weights for TP-{tp_size} yet; the instance would stay behind")
         instance_id = self._next_instance_id
         self._next_instance_id += 1
         placement = Placement(agent_id, tuple(devices))
         self.fleet.adopt(
             worker_id, WorkerRole.ROLLOUT, placement, address, tp_size=tp_size, instance_id=instance_id
         )
-        self.ledger.add_instance(str(instance_id), now=time.monotonic())
-        self._loaders[instance_id] = InstanceClient(address, self.token, self.config.control)
-        self._load_locks[instance_id] = asyncio.Lock()
-        if not await self._bring_up_to_date(instance_id):
-            self.forget_instance_now(instance_id)
-            raise RuntimeError(f"{worker_id} could not load version {self.ledger.latest}")
+        try:
+            await self.publication.join(instance_id, address, tp_size)
+        except (RuntimeError, ValueError):
+            self.fleet.forget(worker_id)
+            raise
         await self.pool.add(instance_id, address, tp_size, worker_id=worker_id)
         return instance_id
 
@@ -540,18 +407,9 @@ class JobWorkers:
 
     def forget_instance_now(self, instance_id: int) -> None:
         record = self.fleet.instance(instance_id)
-        if record is None:
-            return
-        self.fleet.forget(record.worker_id)
-        try:
-            self.ledger.remove_instance(str(instance_id))
-        except LookupError:
-            pass
-        self._load_locks.pop(instance_id, None)
-        # Closed at stop(), not now: a load in flight on it fails on its own (the instance is
-        # gone), whereas closing the channel would cancel it.
-        if instance_id in self._loaders:
-            self._retired.append(self._loaders.pop(instance_id))
+        if record is not None:
+            self.fleet.forget(record.worker_id)
+        self.publication.leave(instance_id)
 
     def router_state(self) -> str:
         router = self.pool.router
@@ -575,8 +433,8 @@ class JobWorkers:
             await self.sandbox.close()
         if hasattr(self, "pool"):
             await self.pool.close()
-        for client in [*self._loaders.values(), *self._retired]:
-            await client.close()
+        if hasattr(self, "publication"):
+            await self.publication.close()
         if hasattr(self, "trainer"):
             self.trainer.close()
         await asyncio.to_thread(self.cluster.stop)

@@ -1,4 +1,4 @@
-"""The job's side of weight publication without processes: a failed load is retried with the
+"""The job's weight publication (`libra.job.publication`) without processes: a failed load is retried with the
 ledger's back-off while the instance keeps its version, an instance that keeps failing is given
 up on, and one that is lost mid-retry is dropped (fake instance clients)."""
 
@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from libra.control import WorkerRole
-from libra.job.cluster import Placement
-from libra.job.setup import JobWorkers
+from libra.control.config import ControlConfig
+from libra.job.publication import WeightPublication
 from libra.rollout import InstanceUnavailable
-from libra.sync import VersionLedger
 from libra.sync.instance_update import LoadResult
 from libra.sync.load_request import LoadRequest, RankLoad
 from libra.sync.transport import BucketDigest, BufferManifest
@@ -44,34 +42,28 @@ def _request(version: int) -> LoadRequest:
     return LoadRequest(version, (RankLoad(manifest, {"kind": "shm", "path": "/dev/shm/x"}),))
 
 
-def _workers(clients: dict[int, _FlakyClient], max_attempts: int = 3) -> JobWorkers:
-    from libra.config import LibraConfig
-
-    workers = JobWorkers(LibraConfig(run_dir="/tmp/unused"))
-    workers.recorder = _Recorder()
-    workers.ledger = VersionLedger(initial_version=0, max_attempts=max_attempts, backoff_s=0.01)
+def _publication(clients: dict[int, _FlakyClient], max_attempts: int = 3) -> WeightPublication:
+    publication = WeightPublication(
+        _Recorder(), "token", ControlConfig(), keep_versions=2, max_attempts=max_attempts, backoff_s=0.01
+    )
     for instance_id, client in clients.items():
-        worker_id, placement = f"rollout-{instance_id}", Placement("agent-0", (instance_id,))
-        workers.fleet.adopt(worker_id, WorkerRole.ROLLOUT, placement, "", instance_id=instance_id)
-        workers.ledger.add_instance(str(instance_id))
-        workers._loaders[instance_id] = client
-        workers._load_locks[instance_id] = asyncio.Lock()
-    workers.ledger.publish(1)
-    workers.loads = {1: _request(1)}
-    return workers
+        publication.subscribe(instance_id, client, tp_size=1)
+    publication.ledger.publish(1)
+    publication.loads = {1: _request(1)}
+    return publication
 
 
 def test_failed_loads_are_retried_until_the_instance_runs_the_version():
     flaky, unreachable, healthy = _FlakyClient(2), _FlakyClient(1, unreachable=True), _FlakyClient(0)
-    workers = _workers({0: flaky, 1: unreachable, 2: healthy})
+    publication = _publication({0: flaky, 1: unreachable, 2: healthy})
 
     async def scenario():
-        return await asyncio.gather(*(workers._bring_up_to_date(i) for i in (0, 1, 2)))
+        return await asyncio.gather(*(publication.bring_up_to_date(i) for i in (0, 1, 2)))
 
     assert asyncio.run(scenario()) == [True, True, True]
     assert (flaky.calls, unreachable.calls, healthy.calls) == ([1, 1, 1], [1, 1], [1])
-    assert all(workers.ledger.version_of(str(i)) == 1 for i in (0, 1, 2))
-    failed = sorted(m for kind, m in workers.recorder.events if kind == "load_failed")
+    assert all(publication.ledger.version_of(str(i)) == 1 for i in (0, 1, 2))
+    failed = sorted(m for kind, m in publication.recorder.events if kind == "load_failed")
     assert [m.split(":")[0] for m in failed] == [
         "rollout-0 attempt 1 of version 1",
         "rollout-0 attempt 2 of version 1",
@@ -82,17 +74,16 @@ def test_failed_loads_are_retried_until_the_instance_runs_the_version():
 
 def test_an_instance_that_keeps_failing_is_given_up_and_a_lost_one_dropped():
     stuck = _FlakyClient(100)
-    workers = _workers({0: stuck, 1: _FlakyClient(100)}, max_attempts=3)
+    publication = _publication({0: stuck, 1: _FlakyClient(100)}, max_attempts=3)
 
     async def scenario():
-        gave_up = await workers._bring_up_to_date(0)
+        gave_up = await publication.bring_up_to_date(0)
         # Instance 1 is lost (the watchdog removes it) while its retries back off.
-        task = asyncio.create_task(workers._bring_up_to_date(1))
+        task = asyncio.create_task(publication.bring_up_to_date(1))
         await asyncio.sleep(0.005)
-        workers.ledger.remove_instance("1")
-        workers.fleet.forget("rollout-1")
+        publication.leave(1)
         return gave_up, await task
 
     assert asyncio.run(scenario()) == (False, False)
     assert stuck.calls == [1, 1, 1]
-    assert workers.ledger.version_of("0") == 0 and "stale" in workers.ledger.given_up()["0"]
+    assert publication.ledger.version_of("0") == 0 and "stale" in publication.ledger.given_up()["0"]
