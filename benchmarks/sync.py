@@ -195,9 +195,9 @@ def run_publish(shape: ModelShape, dtype_name: str, threads: int) -> None:
 
     configure_vllm_env(InstanceConfig())  # before vLLM is imported
     from safetensors.torch import save
-    from transformers import AutoConfig
     from vllm import LLM
 
+    from libra.model_spec import ModelSpec
     from libra.sync.instance_update import apply_version
     from libra.sync.publisher import WeightPublisher
     from libra.sync.shm import ShmSender
@@ -209,7 +209,7 @@ def run_publish(shape: ModelShape, dtype_name: str, threads: int) -> None:
     console = Console(width=150)
     with tempfile.TemporaryDirectory() as directory:
         hf = write_random_checkpoint(shape, directory, dtype)
-        arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(directory))
+        arch = ModelArchitecture.from_spec(ModelSpec.from_hf_dir(directory))
         per_rank = [
             hf_to_megatron(hf.__getitem__, arch, tp_rank=r, tp_size=2, pp_rank=0, pp_size=1) for r in range(2)
         ]

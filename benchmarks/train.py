@@ -100,8 +100,7 @@ def rank_main(spec: dict) -> None:
     from libra.backends import get_backend
 
     get_backend("cpu").prepare_worker()
-    from transformers import AutoConfig
-
+    from libra.model_spec import ModelSpec
     from libra.training.config import TrainingConfig
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
@@ -112,7 +111,7 @@ def rank_main(spec: dict) -> None:
     info = initialize(
         tp, pp, rank=spec["rank"], world_size=tp * pp * dp, master_addr="127.0.0.1", master_port=spec["port"]
     )
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
+    arch = ModelArchitecture.from_spec(ModelSpec.from_hf_dir(spec["model"]))
     cfg = TrainingConfig(
         tensor_parallel=tp,
         pipeline_parallel=pp,

@@ -36,14 +36,6 @@ class Placement:
     devices: tuple[int, ...]
 
 
-@dataclass
-class StartedWorker:
-    worker_id: str
-    address: str
-    pid: int
-    log_path: str
-
-
 def section_overrides(prefix: str, section: object, skip: tuple[str, ...] = ()) -> list[str]:
     """`prefix.field=value` overrides that give a config section's values to a `libra` command."""
     values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name not in skip}

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from libra.scheduler.factory import RouterKind
 
 ROUTERS = tuple(k.value for k in (RouterKind.CMLFQ, RouterKind.LEAST_LOAD, RouterKind.ROUND_ROBIN))
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+"""`libra.job.trackers.TrackerKind`'s values (this config-only module imports nothing of the job)."""
 
 
 @dataclass
@@ -67,6 +69,15 @@ class JobConfig:
     split; dataset tasks have no held-out split yet. 0: off."""
     eval_samples: int = 4
     """Trajectories per held-out task."""
+    trackers: tuple[str, ...] = ("tensorboard",)
+    """Where the run's scalars go besides `metrics.jsonl` (`libra.job.trackers`): any of
+    `tensorboard`, `wandb` (Weights & Biases; `WANDB_MODE=offline` keeps it local), `mlflow`
+    (on the command line comma-separated: `job.trackers=tensorboard,wandb`). W&B and MLflow need
+    Libra's `trackers` extra."""
+    tracker_project: str = "libra"
+    """The W&B project and the MLflow experiment the run is logged under."""
+    mlflow_tracking_uri: str = ""
+    """The MLflow tracking server (`http://...`); empty: a file store in `<run_dir>/mlruns`."""
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "prompts_per_step", "group_size", "num_agents", "keep_weight_versions"):
@@ -90,6 +101,16 @@ class JobConfig:
             raise ValueError(f"job.metrics_port must be -1 (off) or a port 0..65535, got {self.metrics_port}")
         if self.worker_start_timeout_s <= 0:
             raise ValueError(f"job.worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
+        trackers = self.trackers
+        if (
+            not isinstance(trackers, tuple | list)
+            or len(set(trackers)) != len(trackers)
+            or not all(t in TRACKERS for t in trackers)
+        ):
+            raise ValueError(f"job.trackers must name each of {TRACKERS} at most once, got {trackers!r}")
+        self.trackers = tuple(trackers)
+        if not self.tracker_project:
+            raise ValueError("job.tracker_project must name a W&B project / MLflow experiment")
         sizes = self.rollout_tp_sizes
         if not isinstance(sizes, tuple | list) or not sizes or not all(_is_tp_size(s) for s in sizes):
             raise ValueError(f"job.rollout_tp_sizes must be a tuple of TP sizes >= 1, got {sizes!r}")

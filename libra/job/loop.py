@@ -43,7 +43,9 @@ from libra.job.recorder import (
 )
 from libra.job.rollouts import Group, GroupRollout, TaskStream
 from libra.job.setup import JobWorkers
+from libra.job.trackers import flat_config, open_trackers
 from libra.job.trainer import measure_logprob_gap
+from libra.tasks.rewards import load_reward_function
 from libra.training.staleness import StalenessGate
 from libra.trajectory import Trajectory
 
@@ -71,6 +73,8 @@ class GrpoJob:
         self.config, self.job, self.resume = config, config.job, resume
         self.run_dir = Path(config.run_dir)
         self._resume_from = _last_checkpoint(self.run_dir) if resume else None  # refused before any start
+        if config.tasks.reward_function:  # a reward function that cannot be loaded: before any start
+            load_reward_function(config.tasks.reward_function)
         self.gate = StalenessGate(config.training.max_staleness, self.job.batch_size)
         self.in_flight: dict[int, asyncio.Task[Group]] = {}
         self.finished: dict[int, Group] = {}
@@ -96,11 +100,15 @@ class GrpoJob:
             if "records" in resume_state:  # a checkpoint of an older version kept no lengths
                 superseded = rewind_records(self.run_dir, resume_state["records"])
         self.workers = JobWorkers(self.config)
-        self.recorder = RunRecorder(
+        trackers = open_trackers(
+            self.job.trackers,
             self.run_dir,
-            prometheus=self._start_prometheus(),
+            self.job.tracker_project,
+            self.job.mlflow_tracking_uri,
             purge_step=resume_state["version"] + 1 if resume_state else None,
+            config=flat_config(self.config),
         )
+        self.recorder = RunRecorder(self.run_dir, trackers, prometheus=self._start_prometheus())
         try:
             await self.workers.start(self.recorder)
             self.recorder.publish_to(self.workers.cluster.controller.events)
@@ -131,10 +139,12 @@ class GrpoJob:
         if self.job.planner:
             from libra.job.planning import JobPlanning
 
-            self.planning = JobPlanning(self.workers, self.recorder)
+            w = self.workers
+            self.planning = JobPlanning(
+                self.config, w.cluster, w.fleet, w.instances, w.train_ranks, w.planning_problem, self.recorder
+            )
             self.planning.adopt_launch_layout()
-            self.workers.on_instance_restarted = self.planning.on_instance_restarted
-            self.workers.on_instance_gone = self.planning.on_instance_gone
+            self.workers.instances.on_gone = self.planning.on_instance_gone
 
     async def _close_planning(self) -> None:
         """A plan being carried out finishes (the pool and its instances are still up)."""
@@ -153,9 +163,9 @@ class GrpoJob:
 
     async def _train_until_done_or_lost(self) -> None:
         """The train loop, stopped where it waits as soon as the watchdog reports a train rank
-        lost (`JobWorkers.train_ranks_gone`); a failed call to the ranks stops it on its own."""
+        lost (`TrainRankGroup.gone`); a failed call to the ranks stops it on its own."""
         train = asyncio.create_task(self._train_loop())
-        gone = asyncio.create_task(self.workers.train_ranks_gone.wait())
+        gone = asyncio.create_task(self.workers.train_ranks.gone.wait())
         try:
             await asyncio.wait({train, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -179,13 +189,13 @@ class GrpoJob:
             with self._train_ranks_call("the train step"):
                 # Before the update: the trainer still runs the version that sampled the compared tokens.
                 gap = await asyncio.to_thread(
-                    measure_logprob_gap, self.workers.trainer, batch, self.gate.version
+                    measure_logprob_gap, self.workers.train_ranks.client, batch, self.gate.version
                 )
-                self.workers.training_now = True
+                self.workers.train_ranks.busy = True
                 try:
-                    stats = await asyncio.to_thread(self.workers.trainer.train_step, batch)
+                    stats = await asyncio.to_thread(self.workers.train_ranks.client.train_step, batch)
                 finally:
-                    self.workers.training_now = False
+                    self.workers.train_ranks.busy = False
             self.gate.on_train_step(len(batch))
             if stats.version != self.gate.version:
                 raise RuntimeError(f"trainer is at version {stats.version}, the job at {self.gate.version}")
@@ -245,7 +255,7 @@ class GrpoJob:
     def _training_lost(self, what: str, error: grpc.RpcError | None = None) -> TrainingLost:
         """`TrainingLost` naming the ranks and hosts lost and the checkpoint to resume from,
         recorded as a `training_lost` event."""
-        lost = self.workers.train_ranks_lost()
+        lost = self.workers.train_ranks.lost()
         checkpoint = _last_checkpoint(self.run_dir)
         failed = f" (the call failed with {error.code().name}: {error.details()})" if error else ""
         message = (
@@ -264,6 +274,7 @@ class GrpoJob:
             group_size,
             qa_metric=self.config.tasks.qa_metric,
             sandbox=self.workers.sandbox,
+            reward_function=self.config.tasks.reward_function,
         )
 
     async def _evaluate(self, when: str) -> None:
@@ -342,12 +353,12 @@ class GrpoJob:
         if (directory / "job_state.json").is_file():
             return
         directory.mkdir(parents=True, exist_ok=True)
-        version = self.workers.trainer.save_checkpoint(str(directory / "trainer"))
+        version = self.workers.train_ranks.client.save_checkpoint(str(directory / "trainer"))
         state = {
             "version": version,
             "data_position": self.stream.position,
             "gate": self.gate.state_dict(),
-            "router": self.workers.router_state(),
+            "router": self.workers.instances.router_state(),
             "num_rolled_out": self.num_rolled_out,
             "unfinished_groups": sorted([*self.unfinished.items(), *self._relaunch]),
             "records": self.recorder.offsets(),
@@ -357,12 +368,14 @@ class GrpoJob:
 
     async def _restore(self, state: dict, superseded: dict[str, int]) -> None:
         directory = self._resume_from
-        version = await asyncio.to_thread(self.workers.trainer.load_checkpoint, str(directory / "trainer"))
+        version = await asyncio.to_thread(
+            self.workers.train_ranks.client.load_checkpoint, str(directory / "trainer")
+        )
         self.gate.load_state_dict(state["gate"], release_in_flight=True)
         self.stream.position = state["data_position"]
         self.num_rolled_out = state["num_rolled_out"]
         self._relaunch = [(index, task) for index, task in state.get("unfinished_groups", [])]
-        self.workers.restore_router(state["router"])
+        self.workers.instances.restore_router(state["router"])
         if version > 0:  # version 0 is the model the instances started from
             await self.workers.publish(version)
         moved = ", ".join(f"{n} {name}" for name, n in superseded.items()) or "none"

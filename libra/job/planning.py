@@ -48,7 +48,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from libra.control import ClusterClient
 from libra.control.types import EventKind
 from libra.job.recorder import JobEvent
 from libra.job.training_restart import JobTrainingRestart
@@ -74,8 +73,13 @@ from libra.training.hybrid import paired_core_rank
 from libra.training.hybrid_worker import HybridReplicaSpec
 
 if TYPE_CHECKING:
+    from libra.config import LibraConfig
+    from libra.job.cluster import JobCluster
+    from libra.job.fleet import Fleet
+    from libra.job.instances import RolloutInstances
     from libra.job.recorder import RunRecorder
-    from libra.job.setup import JobWorkers
+    from libra.job.train_ranks import TrainRankGroup
+    from libra.planner.config import PlanningProblem
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,37 +121,38 @@ class StepTimes:
 
 
 class JobLauncher:
-    """`WorkerLauncher`: rollout instances as the job starts its own (same command line)."""
+    """`WorkerLauncher`: rollout instances as the job starts its own (same command line), hybrid
+    replicas in the running training's config."""
 
-    def __init__(self, workers: JobWorkers):
-        self.workers = workers
+    def __init__(self, cluster: JobCluster, instances: RolloutInstances, train_ranks: TrainRankGroup):
+        self.cluster, self.instances, self.train_ranks = cluster, instances, train_ranks
         self._count = 0
 
     def rollout_instance(self, action: StartRolloutInstance) -> LaunchSpec:
-        cluster = self.workers.cluster
-        agent_id, _ = cluster.device_map().locate(action.devices)
+        agent_id, _ = self.cluster.device_map().locate(action.devices)
         self._count += 1
-        address_file = self.workers.run_dir / f"plan-{action.instance_id}-{self._count}.addr"
-        argv = self.workers.rollout_argv(action.tp, cluster.agent_host(agent_id), address_file)
-        env = {"LIBRA_TOKEN": cluster.token, "PYTHONWARNINGS": "ignore"}
-        return LaunchSpec(tuple(argv), env, os.getcwd(), str(address_file))
+        address_file = self.instances.run_dir / f"plan-{action.instance_id}-{self._count}.addr"
+        argv = self.instances.argv(action.tp, self.cluster.agent_host(agent_id), address_file)
+        return LaunchSpec(tuple(argv), self._env(), os.getcwd(), str(address_file))
 
     def hybrid_replica(self, action: JoinHybridReplica, join: HybridJoin) -> LaunchSpec:
         """A hybrid DP replica (`libra.training.hybrid_worker`) following its core replica's lanes."""
-        workers = self.workers
+        ranks = self.train_ranks
         self._count += 1
-        ready_file = workers.run_dir / f"hybrid-{action.replica}-g{join.generation}-{self._count}.ready"
+        ready_file = ranks.run_dir / f"hybrid-{action.replica}-g{join.generation}-{self._count}.ready"
         spec = HybridReplicaSpec(
-            hf_model=str(workers.source.model_dir),
+            hf_model=str(ranks.model_dir),
             lanes=tuple(join.lane_addresses),
             replica=action.replica,
             generation=join.generation,
-            training=workers.config.training,
-            backend=workers.config.backend,
+            training=ranks.training,
+            backend=ranks.config.backend,
             ready_file=str(ready_file),
         )
-        env = {"LIBRA_TOKEN": workers.cluster.token, "PYTHONWARNINGS": "ignore"}
-        return LaunchSpec(tuple(spec.to_argv()), env, os.getcwd(), str(ready_file))
+        return LaunchSpec(tuple(spec.to_argv()), self._env(), os.getcwd(), str(ready_file))
+
+    def _env(self) -> dict[str, str]:
+        return {"LIBRA_TOKEN": self.cluster.token, "PYTHONWARNINGS": "ignore"}
 
 
 class NoHybridLane:
@@ -287,11 +292,22 @@ class JobPlanning:
     """Feeds the controller's planner at step boundaries and executes its plans (see the module
     docstring). Lives on the job's event loop; the executor runs on a thread."""
 
-    def __init__(self, workers: JobWorkers, recorder: RunRecorder):
-        controller, planner = workers.cluster.controller, workers.cluster.planner
+    def __init__(
+        self,
+        config: LibraConfig,
+        cluster: JobCluster,
+        fleet: Fleet,
+        instances: RolloutInstances,
+        train_ranks: TrainRankGroup,
+        problem: PlanningProblem,
+        recorder: RunRecorder,
+    ):
+        controller, planner = cluster.controller, cluster.planner
         if controller is None or planner is None:
             raise RuntimeError("the controller runs no planner: start the cluster with a planning problem")
-        self.workers, self.recorder = workers, recorder
+        self.config, self.cluster, self.fleet = config, cluster, fleet
+        self.instances, self.train_ranks, self.problem = instances, train_ranks, problem
+        self.recorder = recorder
         self.planner = planner
         self.events = controller.events
         self._event_sequence = 0
@@ -307,26 +323,26 @@ class JobPlanning:
         self._restarts_training = False
         self._train_first_device = 0
         """Where the core's ranks start (the job launches them on the first devices)."""
-        self.launcher = JobLauncher(workers)
+        self.launcher = JobLauncher(cluster, instances, train_ranks)
         self.rollout = PoolRolloutControl(
-            workers.pool,
+            instances.pool,
             asyncio.get_running_loop(),
             self._add_instance,
-            remove_instance_coro=workers.forget_instance,
+            remove_instance_coro=instances.forget,
         )
-        self._client = ClusterClient(controller.address, workers.token, workers.config.control)
         self.hybrids: RankHybridControl | None = None
         self._pending_reconcile = ""
         """Why the planner must be reconciled at the next step boundary ("" : no need)."""
         self._lane_seen: dict[int, tuple[int, ReplicaState]] = {}
         """Hybrid replica -> (generation, state) of its lanes as last recorded."""
+        # Every worker the executor starts or stops goes through the fleet (its `ClusterApi`).
         self.executor = ActionExecutor(
-            self._client,
+            fleet,
             self.rollout,
-            JobTrainingRestart(workers),
+            JobTrainingRestart(train_ranks, instances, cluster),
             NoHybridLane(),
             self.launcher,
-            workers.config.planner.execution,
+            config.planner.execution,
             events=self.events,
         )
         self._bind_lane()
@@ -335,16 +351,13 @@ class JobPlanning:
         """The hybrid control of the core that runs now: its ranks' lanes when it hosts them."""
         if self.hybrids is not None:
             self.hybrids.close()
-        workers = self.workers
+        ranks = self.train_ranks
         self._lane_seen = {}
         self.hybrids = (
             RankHybridControl(
-                workers.train_addresses,
-                workers.config.training.tensor_parallel,
-                workers.token,
-                workers.config.control,
+                ranks.addresses, ranks.training.tensor_parallel, self.cluster.token, self.config.control
             )
-            if getattr(workers, "hosts_hybrid_lane", False)
+            if ranks.hosts_hybrid_lane
             else None
         )
         self.executor.hybrid_control = self.hybrids or NoHybridLane()
@@ -355,22 +368,21 @@ class JobPlanning:
         """Registers the job's instances with the executor and the id map, and makes the running
         layout the planner's current plan. A layout the planner cannot describe (its device
         count or alignment) turns planning off for the run, with an event saying why."""
-        devices = self.workers.cluster.device_map()
-        problem_devices = self.workers.planning_problem.cluster.num_devices
+        devices = self.cluster.device_map()
+        problem_devices = self.problem.cluster.num_devices
         if devices.num_devices != problem_devices:
             self._disable(
                 f"the agents hold {devices.num_devices} devices, the planner was sized for {problem_devices}"
             )
             return
-        for instance in self.workers.fleet.rollout_instances():
+        for instance in self.fleet.rollout_instances():
             placement = instance.placement
             global_devices = devices.global_devices(placement.agent_id, placement.devices)
-            plan_id = plan_instance_id(instance.tp_size, global_devices)
-            address = self.workers.pool.get(instance.instance_id).client.address
+            instance.plan_id = plan_instance_id(instance.tp_size, global_devices)
             self.executor.adopt_instance(
-                plan_id, instance.worker_id, instance.tp_size, global_devices, address
+                instance.plan_id, instance.name, instance.tp_size, global_devices, instance.address
             )
-            self.rollout.bind(plan_id, instance.instance_id)
+            self.rollout.bind(instance.plan_id, instance.instance_id)
         try:
             adoption = self.planner.propose(self.running_plan(), "the job's launch layout")
         except ValueError as e:
@@ -384,7 +396,7 @@ class JobPlanning:
         """Until a plan's reconfiguration is measured, the apply rule prices one at the policy's
         prior; an instance start measured at launch is a better one when it is longer (on a
         loaded CPU host it takes a minute, far above the prior meant for accelerators)."""
-        policy, started = self.planner.policy, self.workers.instance_start_s
+        policy, started = self.planner.policy, self.instances.start_s
         if started and max(started) > policy.reconfiguration_cost_s:
             measured = round(max(started), 1)
             self.planner.set_policy(dataclasses.replace(policy, reconfiguration_cost_s=measured))
@@ -401,7 +413,7 @@ class JobPlanning:
     def running_plan(self) -> Plan:
         """The layout the cluster runs now: the launched training, the executor's instances, the
         pool's bucket thresholds for the TP sizes that have instances."""
-        training = self.workers.config.training
+        training = self.train_ranks.training
         hybrids = tuple(sorted(self.executor.running_hybrids()))
         placement = TrainingPlacement(
             TrainingConfig(
@@ -410,7 +422,7 @@ class JobPlanning:
             first_device=self._train_first_device,
             hybrid_replicas=hybrids,
         )
-        cluster = self.workers.planning_problem.cluster
+        cluster = self.problem.cluster
         instances = tuple(
             RolloutInstance(plan_id, w.tp, w.devices, w.devices[0] // cluster.devices_per_node)
             for plan_id, w in sorted(self.executor.running_instances().items())
@@ -418,7 +430,7 @@ class JobPlanning:
         counts = collections.Counter(i.tp for i in instances)
         buckets = tuple(
             BucketPlan(b.tp_size, counts[b.tp_size], b.max_remaining_tokens, 0, 0.0)
-            for b in sorted(self.workers.pool.buckets, key=lambda b: b.tp_size)
+            for b in sorted(self.instances.pool.buckets, key=lambda b: b.tp_size)
             if counts[b.tp_size]
         )
         return Plan(cluster.num_devices, placement, instances, buckets, 0.0, 0.0)
@@ -445,7 +457,7 @@ class JobPlanning:
             self._reconcile(self._pending_reconcile)
             self._pending_reconcile = ""
         await self._follow_lane()
-        if self.workers.restarts_in_progress:
+        if self.instances.restarts_in_progress:
             # An instance is being restarted: rollout runs short of its layout, so these steps
             # measure no plan, and a plan now would act on an instance that is not there.
             self._mirror_events()
@@ -455,11 +467,14 @@ class JobPlanning:
         # Rollout ran during the whole step: its batch arrived `wait_s` after training (and
         # publication) of the previous one would have allowed. When the loop did not wait, that
         # is only a bound on rollout's time; the planner's calibration treats it as one.
-        obs = StepObservation(
-            step=times.step,
-            train_s=times.train_s,
-            rollout_s=times.wait_s + times.train_s,
-            active_pressure=self._active_pressure(),
+        running, waiting, slots = self._rollout_load()
+        obs = StepObservation.measure(
+            times.step,
+            times.train_s,
+            times.wait_s + times.train_s,
+            running=running,
+            waiting=waiting,
+            slots=slots,
             rejected_total=self.rejected_total,
             history_size=len(self.history),
         )
@@ -477,13 +492,16 @@ class JobPlanning:
             await asyncio.wait([self._execution])
             self._finish_execution()
 
-    def _active_pressure(self) -> float:
-        loads = getattr(self.workers.pool.router, "instance_loads", None)
-        live = self.workers.pool.live_ids()
-        if loads is None or not live:
-            return 0.0
-        capacity = len(live) * self.workers.config.scheduler.max_queue_length
-        return min(1.0, sum(load.active for load in loads()) / capacity)
+    def _rollout_load(self) -> tuple[int, int, int]:
+        """(running, waiting, slots) as `StepObservation.measure` counts them: an instance decodes
+        up to its engine's `max_num_seqs` trajectories; the router's others on it queue there."""
+        per_instance = self.config.rollout.instance.max_num_seqs
+        live = set(self.instances.pool.live_ids())
+        loads = getattr(self.instances.pool.router, "instance_loads", None)
+        placed = [load.active for load in loads() if load.instance_id in live] if loads is not None else []
+        running = sum(min(n, per_instance) for n in placed)
+        waiting = sum(max(0, n - per_instance) for n in placed)
+        return running, waiting, len(live) * per_instance
 
     def _maybe_execute(self) -> None:
         plan, version = self.planner.current, self.planner.version
@@ -493,10 +511,10 @@ class JobPlanning:
             self.executed_plan,
             plan,
             cut_inflight=self.planner.policy.cut_inflight,
-            pool=self.workers.planning_problem.config.hybrid_pool,
+            pool=self.problem.config.hybrid_pool,
         )
         refused = unsupported(actions, self.hybrids)
-        devices = self.workers.cluster.device_map()
+        devices = self.cluster.device_map()
         dead = [a for a in actions if any(not devices.usable(d) for d in _devices_started(a))]
         if dead:
             self.recorder.event(
@@ -542,7 +560,7 @@ class JobPlanning:
             self._reconcile(f"plan v{version} could not run")
             return
         self._mirror_events()
-        live = len(self.workers.pool.live_ids())
+        live = len(self.instances.pool.live_ids())
         if report.ok:
             self.executed_plan = plan
             self._train_first_device = plan.training.first_device
@@ -627,35 +645,18 @@ class JobPlanning:
             self._event_sequence = max(self._event_sequence, event.sequence)
             self.recorder.event(PLAN_EVENT_KINDS[event.kind], event.message, plan_version=event.plan_version)
 
-    # -- instances the executor starts, and restarts by the job's watchdog ------------------------
+    # -- instances the executor starts, and those lost outside a plan -----------------------------
 
     async def _add_instance(self, plan_id: str, worker_id: str, tp: int, address: str) -> int:
-        worker = self.workers.fleet.status(worker_id)
-        if worker is None or worker.state.ended:
-            raise RuntimeError(f"worker {worker_id} of plan instance {plan_id} is not running")
-        return await self.workers.join_instance(
-            worker.spec.worker_id, worker.agent_id, worker.spec.devices, tp, address
-        )
+        return await self.instances.join(worker_id, plan_id, tp, address)
 
     def on_instance_gone(self, instance_id: int) -> None:
-        """An instance died with its node agent and cannot be restarted: the plan loses it (the
-        planner is reconciled at the next step boundary)."""
+        """An instance was lost and not restarted (its node agent is lost, or it did not start
+        again): the plan loses it (the planner is reconciled at the next step boundary)."""
         plan_id = self.rollout.unbind(instance_id)
         if plan_id is not None:
             self.executor.forget_instance(plan_id)
-        self._pending_reconcile = f"rollout instance {plan_id or instance_id} lost with its node agent"
-
-    def on_instance_restarted(self, old_id: int, new_id: int) -> None:
-        """The watchdog restarted a dead instance on its devices: the plan's instance is the new
-        one (in the id map and the executor)."""
-        plan_id = self.rollout.rebind(old_id, new_id)
-        if plan_id is None:
-            return
-        instance = self.workers.fleet.instance(new_id)
-        old = self.executor.running_instances()[plan_id]
-        self.executor.adopt_instance(
-            plan_id, instance.worker_id, instance.tp_size, old.devices, instance.address
-        )
+        self._pending_reconcile = f"rollout instance {plan_id or instance_id} lost and not restarted"
 
     async def close(self) -> None:
         """Waits for a plan being carried out (bounded by the executor's timeouts), records it."""
@@ -669,7 +670,6 @@ class JobPlanning:
             except Exception as e:  # noqa: BLE001 - its agent may be gone; the run ends anyway
                 logger.warning("hybrid replica %d not stopped: %s", replica, e)
         self._mirror_events()
-        self._client.close()
         if self.hybrids is not None:
             self.hybrids.close()
 

@@ -10,22 +10,18 @@ that the launch (`setup`) builds the problem without importing `planning`: no im
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from libra.config import LibraConfig
+from libra.model_spec import DTYPE_BYTES, ModelSpec
 from libra.planner.config import ClusterSpec, ModelArch, PlanningProblem, RequestRecord, TrainingBatch
 from libra.training.hybrid import HYBRID_POOL_LIMITS
-
-_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def model_arch(model_dir: Path, dtype: str) -> ModelArch:
     """The planner's view of an HF model folder, at the instances' dtype."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return ModelArch.from_hf_config(
-        model_dir, _BYTES_PER_DTYPE.get(dtype if dtype != "auto" else raw.get("dtype", ""), 2)
-    )
+    spec = ModelSpec.from_hf_dir(model_dir)
+    return ModelArch.from_spec(spec, DTYPE_BYTES.get(dtype if dtype != "auto" else spec.dtype or "", 2))
 
 
 def cluster_spec(devices_per_agent: int, num_agents: int, profile) -> ClusterSpec:

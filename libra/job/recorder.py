@@ -1,8 +1,8 @@
-"""What a run leaves in its folder while it runs: per-step metrics (`metrics.jsonl` and
-TensorBoard scalars under `tensorboard/`), every trajectory in the simulator's trace format
-(`trajectories.jsonl`, `libra.trace`), rewards and outcomes (`samples.jsonl`), bucket
-occupancy samples (`occupancy.jsonl`), plan / fault events (`events.jsonl`) and the held-out
-evaluations (`evaluations.jsonl`).
+"""What a run leaves in its folder while it runs: per-step metrics (`metrics.jsonl`, and the same
+scalars in the run's trackers: TensorBoard under `tensorboard/` by default, `libra.job.trackers`),
+every trajectory in the simulator's trace format (`trajectories.jsonl`, `libra.trace`), rewards
+and outcomes (`samples.jsonl`), bucket occupancy samples (`occupancy.jsonl`), plan / fault events
+(`events.jsonl`) and the held-out evaluations (`evaluations.jsonl`).
 All files are appended, so a resumed run continues them. Each checkpoint keeps the files' lengths
 (`RunRecorder.offsets`); a resumed run first moves the steps, trajectories and evaluations recorded
 after its checkpoint to `superseded/` (`rewind_records`), so every step and trajectory id appears
@@ -14,10 +14,12 @@ import enum
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from libra.job.rollouts import Group
+from libra.job.trackers import Tracker, measured
 from libra.trace import trace_to_dict
 
 
@@ -175,12 +177,12 @@ def rewind_records(run_dir: Path, offsets: dict[str, int]) -> dict[str, int]:
 
 
 class RunRecorder:
-    def __init__(
-        self, run_dir: Path, tensorboard: bool = True, prometheus=None, purge_step: int | None = None
-    ):
-        """`prometheus`: a `libra.job.prometheus.JobMetrics` to mirror steps, occupancy and events.
-        `purge_step`: TensorBoard drops its scalars from this step on (a resumed run's first)."""
+    def __init__(self, run_dir: Path, trackers: Sequence[Tracker] = (), prometheus=None):
+        """`trackers`: where steps and evaluations go as scalars besides the files
+        (`libra.job.trackers`). `prometheus`: a `libra.job.prometheus.JobMetrics` to mirror
+        steps, occupancy and events."""
         self.run_dir = run_dir
+        self._trackers = list(trackers)
         self._prometheus = prometheus
         self._events = None
         # A resumed run continues the clock of the timeline it appends to.
@@ -191,11 +193,6 @@ class RunRecorder:
         ]
         self.started = time.monotonic() - max(last, default=0.0)
         self._files = {name: open(run_dir / f"{name}.jsonl", "a", encoding="utf-8") for name in RECORD_FILES}
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def offsets(self) -> dict[str, int]:
         """The record files' lengths now: what a checkpoint taken now has recorded."""
@@ -240,11 +237,8 @@ class RunRecorder:
         )
         if self._prometheus is not None:
             self._prometheus.on_step(metrics)
-        if self._tb is not None:
-            for name, value in asdict(metrics).items():
-                if name != "step":
-                    self._tb.add_scalar(f"job/{name}", value, metrics.step)
-            self._tb.flush()
+        scalars = {f"job/{name}": value for name, value in asdict(metrics).items() if name != "step"}
+        self._track(scalars, metrics.step)
 
     def evaluation(self, result: HeldOutEvaluation) -> None:
         self._write("evaluations", asdict(result))
@@ -252,6 +246,17 @@ class RunRecorder:
             f"held-out {result.when} (version {result.version}): reward {result.mean_reward:.3f}, "
             f"tool use {result.tool_use_rate:.2f} over {result.num_tasks} x {result.samples_per_task}"
         )
+        scalars = {
+            f"eval/{result.when}_{name}": value
+            for name, value in asdict(result).items()
+            if name not in ("when", "version")
+        }
+        self._track(scalars, result.version)
+
+    def _track(self, scalars: dict[str, float], step: int) -> None:
+        scalars = measured(scalars)
+        for tracker in self._trackers:
+            tracker.log(scalars, step)
 
     def occupancy(self, sample: ClusterSample) -> None:
         self._write("occupancy", {"time_s": round(self.elapsed(), 2), **asdict(sample)})
@@ -273,8 +278,8 @@ class RunRecorder:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self._prometheus is not None:
             self._prometheus.close()
 

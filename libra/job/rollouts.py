@@ -25,7 +25,7 @@ from libra.rollout.tools.config import ToolsConfig
 from libra.rollout.tools.sandbox import SandboxPool
 from libra.tasks.config import TasksConfig
 from libra.tasks.datasets import TaskRecord, TaskType, load_tasks
-from libra.tasks.rewards import compute_reward
+from libra.tasks.rewards import RewardInput, call_reward_function, compute_reward, load_reward_function
 from libra.trace import TrajectoryTrace, TurnTiming, trace_from_trajectory
 from libra.trajectory import Outcome, Trajectory
 
@@ -122,6 +122,7 @@ class GroupRollout:
         group_size: int,
         qa_metric: str = "em",
         sandbox: SandboxPool | None = None,
+        reward_function: str = "",
     ):
         self.loop = loop
         self.chat = chat
@@ -129,6 +130,9 @@ class GroupRollout:
         self.qa_metric = qa_metric
         self.sandbox = sandbox
         """Runs the tests of code tasks' rewards."""
+        self.reward_spec = reward_function
+        self.reward_function = load_reward_function(reward_function) if reward_function else None
+        """The user's reward function (`tasks.reward_function`) replacing the built-in rules."""
 
     async def run(self, group: Group, task: TaskRecord) -> Group:
         import asyncio
@@ -164,13 +168,19 @@ class GroupRollout:
         return trajectory, trace_from_trajectory(trajectory, timings)
 
     async def reward(self, task: TaskRecord, trajectory: Trajectory) -> float:
-        """The task type's reward of the final answer turn (`compute_reward`); 0 when the
-        trajectory did not end with an answer (cut by the turn, token or context limit)."""
-        if trajectory.outcome != Outcome.ANSWERED:
+        """The user's reward function's score, if there is one; else the task type's reward of the
+        final answer turn (`compute_reward`), 0 when the trajectory did not end with an answer
+        (cut by the turn, token or context limit)."""
+        answered = trajectory.outcome == Outcome.ANSWERED
+        decode = self.chat.tokenizer.decode
+        answer = decode(_last_model_turn(trajectory), skip_special_tokens=True) if answered else None
+        if self.reward_function is not None:
+            response = decode(trajectory.response_token_ids, skip_special_tokens=True)
+            given = RewardInput(task, trajectory, response, answer)
+            return await call_reward_function(self.reward_function, self.reward_spec, given)
+        if answer is None:
             return 0.0
-        last_turn = _last_model_turn(trajectory)
-        text = self.chat.tokenizer.decode(last_turn, skip_special_tokens=True)
-        return await compute_reward(task, text, pool=self.sandbox, qa_metric=self.qa_metric)
+        return await compute_reward(task, answer, pool=self.sandbox, qa_metric=self.qa_metric)
 
 
 def _last_model_turn(trajectory: Trajectory) -> list[int]:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
-from libra.job.cluster import Placement
+from libra.job.cluster import JobCluster, Placement
+from libra.job.instances import RolloutInstances
+from libra.job.train_ranks import TrainRankGroup
 from libra.planner.diff import RestartTraining
-
-if TYPE_CHECKING:
-    from libra.job.setup import JobWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -29,40 +27,39 @@ class JobTrainingRestart:
     old layout is started again from the same checkpoint before the failure is reported: the run
     goes on as it was, and the planner is reconciled to it."""
 
-    def __init__(self, workers: JobWorkers):
-        self.workers = workers
+    def __init__(self, train_ranks: TrainRankGroup, instances: RolloutInstances, cluster: JobCluster):
+        self.train_ranks, self.instances, self.cluster = train_ranks, instances, cluster
         self._count = 0
         self._checkpoint = ""
         self._old: tuple = ()
 
     def checkpoint(self) -> str:
         self._count += 1
-        directory = self.workers.run_dir / "restarts" / f"restart-{self._count}"
-        version = self.workers.trainer.save_checkpoint(str(directory))
+        directory = self.train_ranks.run_dir / "restarts" / f"restart-{self._count}"
+        version = self.train_ranks.client.save_checkpoint(str(directory))
         logger.info("training restart %d: saved version %d to %s", self._count, version, directory)
         self._checkpoint = str(directory)
         return self._checkpoint
 
     def stop_training(self) -> None:
-        self._old = self.workers.train_layout()
-        self.workers.stop_train_ranks()
+        self._old = self.train_ranks.layout()
+        self.train_ranks.stop()
 
     def start_training(self, layout: RestartTraining) -> None:
         """One rank per device of `layout.new_devices`, in order."""
-        workers = self.workers
-        devices = workers.cluster.device_map()
+        devices = self.cluster.device_map()
         placements = []
         for device in layout.new_devices:
             agent_id, local = devices.locate((device,))
             placements.append(Placement(agent_id, tuple(local)))
         training = dataclasses.replace(
-            workers.config.training,
+            self.train_ranks.training,
             tensor_parallel=layout.tp,
             pipeline_parallel=layout.pp,
             data_parallel=layout.dp,
         )
         try:
-            workers.start_train_ranks(placements, training)
+            self.train_ranks.start(placements, training)
         except Exception as e:
             self._back_to_old_layout(e)
             raise RuntimeError(
@@ -71,17 +68,15 @@ class JobTrainingRestart:
             ) from e
 
     def load_checkpoint(self, checkpoint: str) -> None:
-        version = self.workers.trainer.load_checkpoint(checkpoint)
-        if version != self.workers.current_version:
-            raise RuntimeError(
-                f"the restarted ranks loaded version {version}, the job is at {self.workers.current_version}"
-            )
-        self.workers.republish()
+        version = self.train_ranks.client.load_checkpoint(checkpoint)
+        current = self.instances.publication.current_version
+        if version != current:
+            raise RuntimeError(f"the restarted ranks loaded version {version}, the job is at {current}")
+        self.instances.republish(self.train_ranks.client)
 
     def _back_to_old_layout(self, error: Exception) -> None:
-        workers = self.workers
         logger.error("training restart %d failed, restoring the old layout: %s", self._count, error)
-        workers.stop_train_ranks()
+        self.train_ranks.stop()
         training, placements = self._old
-        workers.start_train_ranks(placements, training)
+        self.train_ranks.start(placements, training)
         self.load_checkpoint(self._checkpoint)

@@ -9,11 +9,10 @@ one config-file loader (`libra.config.load_from_file`, which this layer is below
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from libra.backends.base import HardwareProfile
+from libra.model_spec import ModelSpec
 from libra.planner.execution_config import ExecutorConfig
 from libra.trace import TrajectoryTrace
 from libra.training.elastic import HybridPoolLimits
@@ -41,22 +40,18 @@ class ModelArch:
     """Weights and KV cache dtype in bytes (bf16: 2)."""
 
     @classmethod
-    def from_hf_config(cls, model_dir: str | Path, bytes_per_param: int) -> ModelArch:
-        """The planner's view of an HF (Llama / Qwen2 layout) model folder's `config.json`."""
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-        try:
-            return cls(
-                num_layers=raw["num_hidden_layers"],
-                hidden_size=raw["hidden_size"],
-                num_attention_heads=raw["num_attention_heads"],
-                num_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-                ffn_hidden_size=raw["intermediate_size"],
-                vocab_size=raw["vocab_size"],
-                head_dim=raw.get("head_dim") or 0,
-                bytes_per_param=bytes_per_param,
-            )
-        except KeyError as e:
-            raise ValueError(f"{model_dir}/config.json lacks {e}, which the planner's model needs") from None
+    def from_spec(cls, spec: ModelSpec, bytes_per_param: int) -> ModelArch:
+        """The planner's view of an HF model, its weights and KV cache at `bytes_per_param`."""
+        return cls(
+            num_layers=spec.num_layers,
+            hidden_size=spec.hidden_size,
+            num_attention_heads=spec.num_attention_heads,
+            num_kv_heads=spec.num_kv_heads,
+            ffn_hidden_size=spec.ffn_hidden_size,
+            vocab_size=spec.vocab_size,
+            head_dim=spec.head_dim,
+            bytes_per_param=bytes_per_param,
+        )
 
     def __post_init__(self) -> None:
         for name in (

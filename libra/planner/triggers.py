@@ -47,6 +47,34 @@ class StepObservation:
     """Rollouts rejected (staleness or capacity) since the run started."""
     history_size: int = 0
 
+    @classmethod
+    def measure(
+        cls,
+        step: int,
+        train_s: float,
+        rollout_s: float,
+        *,
+        running: int,
+        waiting: int,
+        slots: int,
+        rejected_total: int = 0,
+        history_size: int = 0,
+    ) -> StepObservation:
+        """The one definition of rollout pressure, for the job and the simulator alike:
+        trajectories being decoded (`running`) and those admitted but not decoding (`waiting`: no
+        instance, or queued behind a full engine batch), each over `slots`, the decode batches of
+        the live instances together (instances x engine concurrency)."""
+        slots = max(1, slots)
+        return cls(
+            step,
+            train_s,
+            rollout_s,
+            queue_pressure=min(1.0, waiting / slots),
+            active_pressure=min(1.0, running / slots),
+            rejected_total=rejected_total,
+            history_size=history_size,
+        )
+
 
 class ReplanTrigger:
     def __init__(self, policy: TriggerPolicy):

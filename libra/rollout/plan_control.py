@@ -87,16 +87,6 @@ class PoolRolloutControl:
                 raise ValueError(f"plan instance {plan_id!r} is already pool instance {known}")
             self._ids[plan_id] = instance_id
 
-    def rebind(self, old_instance_id: int, new_instance_id: int) -> str | None:
-        """The job restarted pool instance `old_instance_id` (its worker died) as
-        `new_instance_id` on the same devices: the plan's instance is the new one from now on.
-        Returns its plan id, or None when no plan instance was bound to the old one."""
-        with self._lock:
-            plan_id = next((p for p, i in self._ids.items() if i == old_instance_id), None)
-            if plan_id is not None:
-                self._ids[plan_id] = new_instance_id
-            return plan_id
-
     def unbind(self, instance_id: int) -> str | None:
         """Forgets pool instance `instance_id` (gone outside a plan); returns its plan id, if any."""
         with self._lock:

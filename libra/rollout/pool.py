@@ -2,9 +2,9 @@
 
 Instances join with their TP size, which names their bucket (the scheduler's `CmlfqConfig`
 buckets); the pool tells the router. An instance is lost when a call to it fails and a health
-probe confirms it is gone, or when the control plane reports that its worker ended: `mark_lost`
-directly, or the pool's own subscription to the controller's `WatchEvents` (`watch_controller`),
-which hears a worker's exit the moment its node agent reports it. Loss is reported to the router
+probe confirms it is gone, or when the control plane reports that its worker ended: `worker_ended`
+(the job's fleet calls it from its one watchdog), or, for a pool used on its own, the pool's
+subscription to the controller's `WatchEvents` (`watch_controller`). Loss is reported to the router
 exactly once, and the instance's calls in flight are ended at once, so that the trajectories it
 displaces reroute themselves (their agent-loop tasks hold the tokens they kept) instead of
 waiting for a connection error or a call deadline.
@@ -95,7 +95,7 @@ class InstancePool:
     ) -> PooledInstance:
         """Connects to the instance, reads its TP size and context window, and adds it to the
         router in the bucket of its TP size. `worker_id` names its worker in the control plane,
-        so that the controller's report of the worker's end marks it lost (`watch_controller`)."""
+        so that the report of the worker's end marks it lost (`worker_ended`)."""
         if instance_id in self._instances and not self._instances[instance_id].lost:
             raise ValueError(f"instance {instance_id} is already in the pool")
         client = InstanceClient(address, self._token, self._control)
@@ -276,14 +276,14 @@ class InstancePool:
                     after_sequence = state.last_event_sequence
                     for worker in state.workers:
                         if worker.state.ended:
-                            self._worker_ended(worker.spec.worker_id, f"worker {worker.state.name.lower()}")
+                            self.worker_ended(worker.spec.worker_id, f"worker {worker.state.name.lower()}")
                 request = controller_pb2.WatchEventsRequest(
                     after_sequence=after_sequence, kinds=[int(k) for k in WORKER_END_EVENTS]
                 )
                 async for message in stub.WatchEvents(request, metadata=metadata):
                     event = control_convert.event_from_proto(message)
                     after_sequence = event.sequence
-                    self._worker_ended(event.worker_id, f"controller: {event.kind.name.lower()}")
+                    self.worker_ended(event.worker_id, f"controller: {event.kind.name.lower()}")
             except grpc.aio.AioRpcError as e:
                 logger.warning(
                     "controller event stream at %s broke (%s); re-subscribing", address, e.code().name
@@ -294,7 +294,10 @@ class InstancePool:
                 await channel.close()
             await asyncio.sleep(_WATCH_RETRY_S)
 
-    def _worker_ended(self, worker_id: str, reason: str) -> None:
+    def worker_ended(self, worker_id: str, reason: str) -> None:
+        """The control plane reports that worker `worker_id` no longer runs: its instance is lost
+        (or, withdrawn by a plan, cut); an instance that joins later under that worker is lost at
+        once. The job's fleet calls this; `watch_controller` does for a pool on its own."""
         if not worker_id:
             return  # "" names the instances that are no workers; an event always names one
         self._ended_workers[worker_id] = reason

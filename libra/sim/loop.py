@@ -433,14 +433,13 @@ class AsyncRun(PolicyRun):
     def _observe(self, train_s: float, rollout_s: float) -> None:
         planner = self.planner
         planner.update_history(tuple(self.history))
-        live = len(self.cluster.live)
-        capacity = max(1, sum(1 for _ in self.cluster.instances) * self.config.planner.max_decode_batch)
-        obs = StepObservation(
-            step=self.step,
-            train_s=train_s,
-            rollout_s=rollout_s,
-            queue_pressure=min(1.0, len(self.cluster.unplaced) / capacity),
-            active_pressure=min(1.0, live / capacity),
+        obs = StepObservation.measure(
+            self.step,
+            train_s,
+            rollout_s,
+            running=len(self.cluster.live),
+            waiting=len(self.cluster.unplaced),
+            slots=sum(1 for _ in self.cluster.instances) * self.config.planner.max_decode_batch,
             rejected_total=self.dropped,
             history_size=len(self.history),
         )

@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from libra.model_spec import DTYPE_BYTES, ModelSpec
 from libra.planner.calibration import fit_factors, holdout_errors
 from libra.planner.config import ModelArch, PlannerConfig, RequestRecord, TrainingBatch
 from libra.planner.cost_model import EfficiencyFactors
@@ -83,8 +84,9 @@ def read_run(run_dir: str | Path) -> RunRecord:
     counts = [int(word) for word in started["message"].replace(",", " ").split() if word.isdigit()]
     if len(counts) < 2:
         raise ValueError(f"cannot read the worker counts from {started['message']!r}")
-    dtype = json.loads((Path(started["model"]) / "config.json").read_text()).get("dtype", "float32")
-    model = ModelArch.from_hf_config(Path(started["model"]), 4 if dtype == "float32" else 2)
+    spec = ModelSpec.from_hf_dir(started["model"])
+    # A config.json that names no dtype is taken as the tiny models' float32.
+    model = ModelArch.from_spec(spec, DTYPE_BYTES.get(spec.dtype or "float32", 2))
     occupancy = tuple(
         (sum(row["buckets"].values()), float(row["tokens_per_s"]))
         for row in _jsonl(run_dir / "occupancy.jsonl")

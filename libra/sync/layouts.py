@@ -47,6 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from libra.model_spec import ModelSpec
+
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -84,6 +86,21 @@ class ModelShape:
                 f"ModelShape.num_heads={self.num_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> ModelShape:
+        return cls(
+            hidden_size=spec.hidden_size,
+            num_layers=spec.num_layers,
+            num_heads=spec.num_attention_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            ffn_hidden_size=spec.ffn_hidden_size,
+            vocab_size=spec.vocab_size,
+            tie_embeddings=spec.tie_word_embeddings,
+            qkv_bias=spec.qkv_bias,
+            qk_norm=spec.qk_norm,
+        )
 
     @property
     def heads_per_group(self) -> int:

@@ -27,6 +27,10 @@ class TasksConfig:
     seed: int = 0
     qa_metric: str = "em"
     """Retrieval QA reward: `em` (exact match) or `f1`."""
+    reward_function: str = ""
+    """A reward function (`package.module:function`, sync or async, given a
+    `libra.tasks.rewards.RewardInput`) replacing the built-in reward of every task type; empty:
+    the built-in rules. See `examples/custom_reward.py`."""
 
     def __post_init__(self) -> None:
         if self.dataset_shape not in SHAPES:
@@ -45,6 +49,10 @@ class TasksConfig:
             raise ValueError(
                 "tasks.procedural_distribution must be zipf or geometric, "
                 f"got {self.procedural_distribution!r}"
+            )
+        if self.reward_function and self.reward_function.count(":") != 1:
+            raise ValueError(
+                f"tasks.reward_function must be 'package.module:function', got {self.reward_function!r}"
             )
         if self.qa_metric not in ("em", "f1"):
             raise ValueError(f"tasks.qa_metric must be em or f1, got {self.qa_metric!r}")

@@ -1,5 +1,8 @@
 """Rewards: math answers (normalised exact match), code (tests pass in the sandbox) and retrieval
 QA (exact match / F1). Each returns a score in [0, 1]; a malformed or missing answer scores 0.
+A user's reward function (`tasks.reward_function`, `module:function`) replaces them: it gets a
+`RewardInput` (the task record, the trajectory, its decoded response and final answer), may be
+sync or async, and returns a finite number.
 
 Answer extraction, in order: the last `<answer>…</answer>`, the last `\\boxed{…}` (braces
 balanced), the last `Answer: …` line (DAPO's format). No answer found: 0.
@@ -7,15 +10,20 @@ balanced), the last `Answer: …` line (DAPO's format). No answer found: 0.
 
 from __future__ import annotations
 
+import inspect
+import math
 import re
 import secrets
 import string
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from fractions import Fraction
 
+from libra.plugins import load_callable
 from libra.rollout.tools.sandbox import SandboxPool
 from libra.tasks.datasets import TaskRecord, TaskType
-from libra.trajectory import ToolStatus
+from libra.trajectory import ToolStatus, Trajectory
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
@@ -200,3 +208,54 @@ async def compute_reward(
     if pool is None:
         raise ValueError("code rewards need a SandboxPool (compute_reward(..., pool=...))")
     return await code_reward(response, record.answers[0], pool)
+
+
+# ---------------------------------------------------------------- a user's reward function
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """What a reward function (`tasks.reward_function`) is given for one finished trajectory."""
+
+    task: TaskRecord
+    """The task record: prompt, answers, task type and its `metadata` (a dataset row's
+    `data_source`, `extra_info`, ...)."""
+    trajectory: Trajectory
+    """Token ids, loss mask, tool returns, outcome (`Outcome.ANSWERED` when it ended with an
+    answer rather than at a turn, token or context limit)."""
+    response: str
+    """The whole response decoded: every model turn and tool output."""
+    answer: str | None
+    """The last model turn decoded when the trajectory ended with an answer; None otherwise."""
+
+
+RewardFunction = Callable[[RewardInput], float | Awaitable[float]]
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """`tasks.reward_function`: a callable of one argument (a `RewardInput`); ValueError naming
+    the field otherwise."""
+    function = load_callable(spec, "tasks.reward_function")
+    try:
+        inspect.signature(function).bind(None)
+    except TypeError as e:
+        raise ValueError(
+            f"tasks.reward_function {spec!r} must take one argument (a libra.tasks.rewards.RewardInput): {e}"
+        ) from None
+    except ValueError:
+        pass  # a builtin without a signature: its first call will tell
+    return function
+
+
+async def call_reward_function(function: RewardFunction, spec: str, given: RewardInput) -> float:
+    """The reward function's score of `given`, awaited if it is a coroutine; ValueError naming the
+    function and the trajectory when it is not a finite number."""
+    value = function(given)
+    if inspect.isawaitable(value):
+        value = await value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(
+            f"tasks.reward_function {spec!r} returned {value!r} for trajectory "
+            f"{given.trajectory.trajectory_id}: a reward must be a finite number"
+        )
+    return float(value)

@@ -31,6 +31,7 @@ from libra.backends.config import BackendConfig
 from libra.control.lifetime import die_with_parent
 from libra.launch_spec import ArgvSpec
 from libra.logs import configure_logging
+from libra.model_spec import ModelSpec
 from libra.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
@@ -115,8 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["LOCAL_RANK"] = str(rank)  # the worker's devices: TP rank t takes the t-th
     backend = get_backend(spec.backend.name, **spec.backend.options())
     backend.prepare_worker()
-    from transformers import AutoConfig
-
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
     from libra.training.hybrid import run_hybrid_replica
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         backend=backend.distributed_backend,
         seed=cfg.seed,
     )
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec.hf_model))
+    arch = ModelArchitecture.from_spec(ModelSpec.from_hf_dir(spec.hf_model))
     # No optimizer: the replica takes its weights from its core rank (`libra.training.hybrid`).
     engine = TrainEngine(arch, cfg, info, device=backend.torch_device(rank), with_optimizer=False)
     engine.load_hf(hf_tensor_reader(spec.hf_model))

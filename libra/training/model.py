@@ -1,9 +1,10 @@
 """A Megatron-core `GPTModel` from a Hugging Face config (Llama, Qwen2, Qwen3).
 
-`ModelArchitecture` is the part of an HF config that decides Megatron's layout; it is what the
-weight converter (`hf_weights`) needs too. All three families are pre-norm decoders with RMSNorm,
-SwiGLU, RoPE (rotate-half, i.e. Megatron's non-interleaved rotary) and GQA; they differ in
-QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), an explicit head_dim (Qwen3) and tied embeddings.
+`ModelArchitecture` is the part of an HF config (`libra.model_spec.ModelSpec`) that decides
+Megatron's layout; it is what the weight converter (`hf_weights`) needs too. All three families
+are pre-norm decoders with RMSNorm, SwiGLU, RoPE (rotate-half, i.e. Megatron's non-interleaved
+rotary) and GQA; they differ in QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), an explicit
+head_dim (Qwen3) and tied embeddings.
 
 Transformer-Engine specs are used when TE is importable and the model lives on a GPU; the local
 spec otherwise (the CPU). The two name the norms differently (see `hf_weights`).
@@ -16,6 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from libra.model_spec import ModelSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 VOCAB_DIVISIBLE_BY = 128
@@ -55,48 +58,43 @@ class ModelArchitecture:
         return self.num_attention_heads // self.num_query_groups
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> ModelArchitecture:
-        """From a `transformers` config object or its `to_dict()`."""
-        cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+    def from_spec(cls, spec: ModelSpec) -> ModelArchitecture:
+        """Megatron's layout of an HF model; ValueError naming the HF setting it cannot convert."""
+        if spec.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"model_type {model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+                f"model_type {spec.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
-        if cfg.get("mlp_bias"):
+        if spec.hidden_act != "silu":
+            raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported (only 'silu')")
+        if spec.mlp_bias:
             raise ValueError("mlp_bias=True is not supported")
-        if cfg.get("use_sliding_window"):
+        if spec.use_sliding_window:
             raise ValueError("use_sliding_window=True is not supported")
-        rope = cfg.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default" or cfg.get("rope_scaling"):
-            raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported (only 'default')")
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta") or 10000.0)
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        if model_type == "qwen2":
-            qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias.
-        else:
-            qkv_bias = bool(cfg.get("attention_bias", False))
-            if qkv_bias:
-                raise ValueError("attention_bias=True (with an o_proj bias) is not supported")
+        if spec.rope_type != "default":
+            raise ValueError(
+                f"rope_parameters.rope_type {spec.rope_type!r} is not supported (only 'default')"
+            )
+        if spec.output_bias:
+            raise ValueError("attention_bias=True (with an o_proj bias) is not supported")
+        if spec.rms_norm_eps is None:
+            raise ValueError("the model's config lacks rms_norm_eps, which Megatron's RMSNorm needs")
+        if spec.max_position_embeddings is None:
+            raise ValueError("the model's config lacks max_position_embeddings, which Megatron's model needs")
         return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            ffn_hidden_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_query_groups=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg["rms_norm_eps"],
-            rope_theta=float(rope_theta),
-            max_position_embeddings=cfg["max_position_embeddings"],
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            qk_norm=model_type == "qwen3",
+            model_type=spec.model_type,
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            ffn_hidden_size=spec.ffn_hidden_size,
+            num_layers=spec.num_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_query_groups=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            rms_norm_eps=spec.rms_norm_eps,
+            rope_theta=spec.rope_theta,
+            max_position_embeddings=spec.max_position_embeddings,
+            tie_word_embeddings=spec.tie_word_embeddings,
+            qkv_bias=spec.qkv_bias,
+            qk_norm=spec.qk_norm,
         )
 
     def to_dict(self) -> dict[str, Any]:

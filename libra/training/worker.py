@@ -24,6 +24,7 @@ from libra.control.convert import InvalidArgument
 from libra.control.server import rpc_errors
 from libra.launch_spec import ArgvSpec
 from libra.logs import configure_logging
+from libra.model_spec import ModelSpec
 from libra.sync.config import SyncConfig
 from libra.sync.layouts import ModelShape
 from libra.sync.trainer_publisher import SourceRank, TrainerPublisher
@@ -97,22 +98,6 @@ def trajectory_to_proto(t: Trajectory):
         policy_versions=t.policy_versions,
         reward=t.reward or 0.0,
         has_reward=t.reward is not None,
-    )
-
-
-def model_shape(arch) -> ModelShape:
-    """The resharding planner's view of a `ModelArchitecture`."""
-    return ModelShape(
-        hidden_size=arch.hidden_size,
-        num_layers=arch.num_layers,
-        num_heads=arch.num_attention_heads,
-        num_kv_heads=arch.num_query_groups,
-        head_dim=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        vocab_size=arch.vocab_size,
-        tie_embeddings=arch.tie_word_embeddings,
-        qkv_bias=arch.qkv_bias,
-        qk_norm=arch.qk_norm,
     )
 
 
@@ -294,8 +279,6 @@ def main(argv: list[str] | None = None) -> None:
 
     backend = get_backend(spec.backend.name, **spec.backend.options())
     backend.prepare_worker()
-    from transformers import AutoConfig
-
     from libra.control.server import start_server
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
@@ -314,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         backend=backend.distributed_backend,
         seed=cfg.seed,
     )
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec.hf_model))
+    model = ModelSpec.from_hf_dir(spec.hf_model)
+    arch = ModelArchitecture.from_spec(model)
     engine = TrainEngine(arch, cfg, info, device=backend.torch_device(0))
     engine.load_hf(hf_tensor_reader(spec.hf_model))
     token = os.environ.get("LIBRA_TOKEN")
@@ -322,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("LIBRA_TOKEN must be set")
     source = SourceRank(info.rank, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.dp_rank)
     # The trainer's own vocab padding, which decides the source layout the plans strip.
-    publisher = TrainerPublisher(model_shape(arch), source, spec.sync, VOCAB_DIVISIBLE_BY)
+    publisher = TrainerPublisher(ModelShape.from_spec(model), source, spec.sync, VOCAB_DIVISIBLE_BY)
     lane = None
     if spec.elastic is not None:
         from libra.training.hybrid import CoreLane, LaneControl

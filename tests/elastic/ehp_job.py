@@ -56,15 +56,14 @@ def build_engine(spec: dict, rank: int, world_size: int, port: int, tp: int = 1,
     from libra.backends import get_backend
 
     get_backend("cpu").prepare_worker()
-    from transformers import AutoConfig
-
+    from libra.model_spec import ModelSpec
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
     from libra.training.model import ModelArchitecture
     from libra.training.parallel import initialize
 
     info = initialize(tp, 1, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
+    arch = ModelArchitecture.from_spec(ModelSpec.from_hf_dir(spec["model"]))
     cfg = training_config(world_size // tp, tp, spec.get("overlap_grad_reduce", False))
     engine = TrainEngine(arch, cfg, info, with_optimizer=with_optimizer)
     engine.load_hf(hf_tensor_reader(spec["model"]))

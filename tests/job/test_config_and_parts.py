@@ -226,7 +226,7 @@ def test_events_are_recorded_under_their_kinds_string(tmp_path):
     from libra.job.recorder import RunRecorder, read_jsonl
     from libra.training.elastic import ReplicaState
 
-    recorder = RunRecorder(tmp_path, tensorboard=False)
+    recorder = RunRecorder(tmp_path)
     recorder.event(JobEvent.HYBRID_ROLLED_BACK, "hybrid replica 1 rolled back", replica=1)
     recorder.close()
     (row,) = read_jsonl(tmp_path / "events.jsonl")

@@ -1,9 +1,12 @@
 """The job on a dataset (`tasks.dataset_path` + `job.model`): a DAPO-Math-shaped JSONL of a few
-rows and the factory's random tiny model, two job steps end to end; plus the reward of each
-dataset task type on hand-built trajectories and the errors of a job that cannot run a dataset.
+rows and the factory's random tiny model, two job steps end to end, rewarded by a reward function
+loaded from the config (`tasks.reward_function`); plus the built-in reward of each dataset task
+type and a user's function on hand-built trajectories, and the errors of a job that cannot run a
+dataset.
 
-The random model's reward is ~0 (it rarely even ends a turn), so the end-to-end test checks
-where the trajectories came from, that each was rewarded by the math rule of its own row, and
+The random model's reward under a correctness rule is ~0 (it rarely even ends a turn), so the
+job's reward function scores length and row (`reward_plugin`), and the end-to-end test checks
+where the trajectories came from, that each was rewarded by that function of its own row, and
 that the trainer stepped on them. Needs ~3 GB: one vLLM instance, one Megatron rank, the
 controller and a node agent, all real processes on loopback; about a minute on 2 cores.
 """
@@ -20,15 +23,16 @@ import pytest
 from libra.config import load_config
 from libra.job.loop import GrpoJob
 from libra.job.recorder import read_jsonl
-from libra.job.rollouts import GroupRollout, _last_model_turn, load_dataset_tasks
+from libra.job.rollouts import GroupRollout, load_dataset_tasks
 from libra.rollout.chat import ChatFormat
 from libra.rollout.tools.config import CustomToolConfig, SandboxConfig, ToolsConfig
 from libra.tasks.config import TasksConfig
 from libra.tasks.datasets import TaskRecord, TaskType
-from libra.tasks.rewards import extract_answer, math_equal
 from libra.trajectory import Outcome, Trajectory
+from tests.job import reward_plugin
 
 NUM_STEPS = 2
+REWARD_FUNCTION = "tests.job.reward_plugin:length_and_row"
 # DAPO-Math-17k's record shape: a chat-format prompt and `reward_model.ground_truth`.
 PROBLEMS = [
     ("What is 17 + 25?", "42"),
@@ -117,6 +121,29 @@ def test_each_dataset_task_type_is_rewarded_by_its_rule(tokenizer):
     assert asyncio.run(rewards()) == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
 
 
+def test_a_reward_function_gets_the_decoded_response_and_answer(tokenizer):
+    """`GroupRollout.reward` with `tasks.reward_function`: the function scores every trajectory,
+    answered or cut (then `answer` is None), from the task record and the decoded text."""
+    chat = ChatFormat(tokenizer)
+    task = TaskRecord("What is 17 + 25?", "42", TaskType.MATH, {"index": 4})
+    rollout = GroupRollout(loop=None, chat=chat, group_size=2, reward_function=REWARD_FUNCTION)
+    answered = _answered(chat, task.prompt, "17 + 25 = 42.\nAnswer: 42")
+    cut = _answered(chat, task.prompt, "17 + 25 is", Outcome.MAX_TOKENS)
+    given: list = []
+    real = rollout.reward_function
+
+    async def spy(value):
+        given.append(value)
+        return await real(value)
+
+    rollout.reward_function = spy
+    scores = [asyncio.run(rollout.reward(task, t)) for t in (answered, cut)]
+    assert scores == [reward_plugin.score(t.num_generated_tokens, 4) for t in (answered, cut)]
+    assert [g.answer for g in given] == ["17 + 25 = 42.\nAnswer: 42", None]
+    assert [g.response for g in given] == ["17 + 25 = 42.\nAnswer: 42", "17 + 25 is"]
+    assert all(g.task is task for g in given)
+
+
 def test_dataset_tasks_need_their_task_types_tools(tmp_path):
     dataset = tmp_path / "nq.jsonl"
     dataset.write_text(json.dumps({"question": "capital of France?", "golden_answers": ["Paris"]}) + "\n")
@@ -167,9 +194,8 @@ def dataset_run(tmp_path_factory, tiny_model):
         "rollout.agent.max_turns=2",
         "rollout.agent.max_tokens_per_turn=24",
         "rollout.agent.max_response_tokens=96",
-        # With every reward 0 the advantages are 0; the entropy bonus still gives a gradient, so a
-        # step that back-propagated through the trajectories shows a non-zero gradient norm.
         "training.grpo.entropy_coef=0.01",
+        f"tasks.reward_function={REWARD_FUNCTION}",
     ]
     config = load_config("configs/tiny_cpu.py", overrides)
     seen: list[tuple[TaskRecord, Trajectory, float]] = []
@@ -208,21 +234,18 @@ def test_trajectories_come_from_the_datasets_prompts_in_the_models_template(data
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_each_trajectory_is_rewarded_by_its_rows_math_rule(dataset_run, tokenizer):
+def test_each_trajectory_is_rewarded_by_the_configured_function_of_its_row(dataset_run):
     run_dir, seen = dataset_run
-    recorded = {s["trajectory_id"]: s["reward"] for s in read_jsonl(run_dir / "samples.jsonl")}
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert samples
+    for sample in samples:  # recomputed from what the run folder recorded
+        expected = reward_plugin.score(sample["generated_tokens"], sample["task_index"])
+        assert sample["reward"] == pytest.approx(expected)
     for task, trajectory, reward in seen:
-        # Recomputed here from the rule: an answered trajectory's last turn holds an answer equal
-        # to its row's ground truth.
-        answer = extract_answer(tokenizer.decode(_last_model_turn(trajectory), skip_special_tokens=True))
-        right = (
-            trajectory.outcome == Outcome.ANSWERED
-            and answer is not None
-            and math_equal(answer, task.ground_truth)
+        assert reward == pytest.approx(
+            reward_plugin.score(trajectory.num_generated_tokens, task.metadata["index"])
         )
-        assert reward == (1.0 if right else 0.0)
-        if trajectory.trajectory_id in recorded:
-            assert recorded[trajectory.trajectory_id] == reward
+    assert len({s["reward"] for s in samples}) > 1  # rewards that differ: a real advantage signal
 
 
 @pytest.mark.multiprocess

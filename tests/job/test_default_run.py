@@ -37,6 +37,7 @@ from libra.config import load_config
 from libra.control.client import ClusterClient
 from libra.control.config import ControlConfig
 from libra.control.types import EventKind
+from libra.job.fleet import WorkerKind
 from libra.job.loop import GrpoJob, JobResult
 from libra.job.recorder import read_jsonl
 from libra.job.report import write_report
@@ -72,7 +73,7 @@ def _kill_the_tp2_instance(job: GrpoJob, run_dir: Path, killed: dict) -> None:
             return
         time.sleep(0.2)
     time.sleep(KILL_AFTER_S)
-    pids = job.workers.instance_pids()
+    pids = job.workers.fleet.pids(WorkerKind.ROLLOUT_INSTANCE)
     killed["worker"] = "rollout-0"
     killed["tp"] = job.workers.fleet.get("rollout-0").tp_size
     os.killpg(pids["rollout-0"], signal.SIGKILL)
@@ -210,7 +211,10 @@ def test_killed_instance_is_restarted_and_rejoins(run_dir):
     # reports) and rejoined the pool (which the planner may have changed meanwhile).
     published = [s for s in read_jsonl(run_dir / "metrics.jsonl") if s["time_s"] < restarted["time_s"]]
     assert restarted["version"] >= len(published) - 1  # the current version (one may be publishing)
-    assert restarted["message"].startswith("rollout-0 restarted as rollout-")
+    # The same instance (its name and pool id: nothing rebound), run by a new process.
+    lost = next(e for e in events if e["kind"] == "instance_lost")
+    assert restarted["message"] == "rollout-0 restarted (worker rollout-0.r1)"
+    assert restarted["instance_id"] == lost["instance_id"] == 0
 
 
 def test_run_folder_has_report_checkpoints_and_tensorboard(run_dir):

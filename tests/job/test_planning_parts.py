@@ -1,7 +1,8 @@
-"""The planner-in-the-job's decisions without processes: the real `Planner` and event log, a fake
-pool, cluster and executor. Which plans run, which are refused (a training layout change or a
-hybrid move the job cannot carry out), and how the planner is reconciled to what runs after a
-refusal or a failed action; the planner's inputs built from traces and an HF config."""
+"""The planner-in-the-job's decisions without processes: the real `Planner`, event log, fleet,
+rollout instances and train ranks over a fake pool, cluster and executor. Which plans run, which
+are refused (a training layout change or a hybrid move the job cannot carry out), and how the
+planner is reconciled to what runs after a refusal or a failed action; the planner's inputs built
+from traces and an HF config."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from types import SimpleNamespace
 import pytest
 
 from libra.config import load_config
-from libra.control import WorkerRole
 from libra.control.config import ControlConfig
 from libra.control.events import EventBus
-from libra.control.types import AgentState, ClusterState
+from libra.control.types import AgentState
 from libra.job.cluster import Placement
-from libra.job.fleet import Fleet
+from libra.job.fleet import Fleet, WorkerKind
+from libra.job.instances import RolloutInstances
 from libra.job.planning import JobPlanning, RankHybridControl, StepTimes, unsupported
 from libra.job.problem import cluster_spec, model_arch, planning_problem
+from libra.job.train_ranks import TrainRankGroup
 from libra.planner import Planner, RequestRecord
 from libra.planner.actions import ActionResult, ExecutionReport, Outcome, RunningWorker
 from libra.planner.device_map import DeviceMap
@@ -32,6 +34,9 @@ from libra.scheduler.config import BucketConfig
 from libra.trace import TrajectoryTrace, TurnTrace
 from libra.training.elastic import ElasticConfig, HybridJoin, HybridPool
 from tests.control.helpers import cpu_agent
+from tests.job.fake_cluster import FakeCluster
+
+ROLLOUT = WorkerKind.ROLLOUT_INSTANCE
 
 TINY_LLAMA = {
     "num_hidden_layers": 4,
@@ -123,44 +128,20 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
     problem = planning_problem(config, model_dir)
     bus = EventBus()
     planner = Planner(problem, on_event=publish_plan_events(bus))
-    agent = cpu_agent("agent-0", range(3))
-    agents = [agent]
-    controller = SimpleNamespace(
-        events=bus,
-        address="127.0.0.1:1",
-        agents=agents,  # the test may mark them lost
-        cluster=SimpleNamespace(snapshot=lambda: ClusterState(list(agents), [], 0)),
-    )
-    forgotten: list[int] = []
-
-    async def forget(instance_id: int) -> None:
-        forgotten.append(instance_id)
-
-    cluster = SimpleNamespace(
-        controller=controller,
-        planner=planner,
-        device_map=lambda: DeviceMap.from_cluster_state(controller.cluster.snapshot()),
-    )
+    cluster = FakeCluster(tmp_path, agents=[cpu_agent("agent-0", range(3))])  # the test may lose it
+    cluster.controller.events, cluster.controller.address = bus, "127.0.0.1:1"
+    cluster.planner = planner
+    cluster.device_map = lambda: DeviceMap.from_cluster_state(cluster.controller.cluster.snapshot())
     fleet = Fleet(cluster, start_timeout_s=1.0)
     for instance_id in (0, 1):
+        name, ready = f"rollout-{instance_id}", tmp_path / f"rollout-{instance_id}.addr"
         placement = Placement("agent-0", (instance_id + 1,))
-        address = f"127.0.0.1:{9000 + instance_id}"
-        fleet.adopt(f"rollout-{instance_id}", WorkerRole.ROLLOUT, placement, address, instance_id=instance_id)
-    workers = SimpleNamespace(
-        cluster=cluster,
-        fleet=fleet,
-        token="token",
-        config=config,
-        job=config.job,
-        pool=FakePool([0, 1]),
-        planning_problem=problem,
-        forget_instance=forget,
-        run_dir=tmp_path,
-        restarts_in_progress=0,
-        instance_start_s=[42.0, 30.0],
-    )
+        fleet.start(name, ROLLOUT, placement, ["serve", str(ready)], ready, instance_id=instance_id)
     recorder = Recorder()
-    planning = JobPlanning(workers, recorder)
+    instances = RolloutInstances(config, cluster, fleet, None, recorder, model_dir, FakePool([0, 1]))
+    instances.start_s = [42.0, 30.0]
+    train_ranks = TrainRankGroup(config, fleet, model_dir, hosts_hybrid_lane=False)
+    planning = JobPlanning(config, cluster, fleet, instances, train_ranks, problem, recorder)
     planning.executor = FakeExecutor()
     planning.adopt_launch_layout()
     planning.history.extend(RequestRecord(200, 150, 3, 0.1) for _ in range(16))
@@ -235,13 +216,13 @@ def test_no_plan_runs_and_no_step_is_observed_while_an_instance_restarts(model_d
 
     async def scenario():
         planning, recorder = _planning(model_dir, tmp_path)
-        planning.workers.restarts_in_progress = 1
+        planning.instances.restarts_in_progress = 1
         adoption = planning.planner.propose(_shrunk(planning.planner.current, 2), "external")
         for step in range(1, 12):
             await _settle(planning, step)
         assert planning.executor.executed == []
         assert planning.planner.version == adoption.version  # no trigger was fed
-        planning.workers.restarts_in_progress = 0
+        planning.instances.restarts_in_progress = 0
         await _settle(planning, 12)
         await _settle(planning, 13)
         assert [version for version, _ in planning.executor.executed] == [adoption.version]
@@ -389,8 +370,8 @@ def test_instance_lost_with_its_agent_is_replanned_without_it(model_dir, tmp_pat
     async def scenario():
         planning, recorder = _planning(model_dir, tmp_path)
         launch = planning.planner.current
-        controller = planning.workers.cluster.controller
-        controller.agents[0] = dataclasses.replace(controller.agents[0], state=AgentState.LOST)
+        cluster = planning.cluster
+        cluster.agents[0] = dataclasses.replace(cluster.agents[0], state=AgentState.LOST)
         planning.on_instance_gone(1)  # the watchdog: pool instance 1 (device 2) died with its agent
         await planning.after_step(StepTimes(1, 0.1, 1.0, 0))
         assert "plan_replanned" in recorder.kinds()
@@ -436,3 +417,18 @@ def test_baseline_routers_report_instance_loads_for_a_drain(router_type):
     loads = {load.instance_id: (load.active, load.ready) for load in router.instance_loads()}
     assert sum(active for active, _ in loads.values()) == 3
     assert loads[1][1] is False and loads[0][1] is True
+
+
+def test_rollout_load_counts_what_engines_decode_and_what_queues_behind_them(model_dir, tmp_path):
+    """The job's side of `StepObservation.measure`: the router's trajectories on each live
+    instance, decoding up to the engine's `max_num_seqs` (64 in the tiny config), the rest queued."""
+
+    async def scenario():
+        planning, _ = _planning(model_dir, tmp_path)
+        loads = [SimpleNamespace(instance_id=0, active=70), SimpleNamespace(instance_id=1, active=10)]
+        planning.instances.pool.router = SimpleNamespace(instance_loads=lambda: loads)
+        assert planning._rollout_load() == (64 + 10, 6, 2 * 64)
+        planning.instances.pool.ids = [1]  # instance 0 lost: its trajectories count no more
+        assert planning._rollout_load() == (10, 0, 64)
+
+    asyncio.run(scenario())

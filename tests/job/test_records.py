@@ -13,7 +13,7 @@ def _row(recorder: RunRecorder, name: str, **row) -> None:
 
 
 def test_rewind_moves_the_rows_after_the_checkpoint_aside(tmp_path):
-    recorder = RunRecorder(tmp_path, tensorboard=False)
+    recorder = RunRecorder(tmp_path)
     _row(recorder, "metrics", step=1, time_s=1.0)
     _row(recorder, "samples", trajectory_id="g0-0")
     offsets = recorder.offsets()
@@ -32,7 +32,7 @@ def test_rewind_moves_the_rows_after_the_checkpoint_aside(tmp_path):
         "g1-1",
     ]
     # The resumed recorder continues the clock of the kept metrics and appends after them.
-    resumed = RunRecorder(tmp_path, tensorboard=False)
+    resumed = RunRecorder(tmp_path)
     assert 1.0 <= resumed.elapsed() < 60.0
     _row(resumed, "metrics", step=2, time_s=3.0)
     resumed.close()
@@ -40,7 +40,7 @@ def test_rewind_moves_the_rows_after_the_checkpoint_aside(tmp_path):
 
 
 def test_rewind_keeps_the_timeline_and_a_second_rewind_moves_nothing(tmp_path):
-    recorder = RunRecorder(tmp_path, tensorboard=False)
+    recorder = RunRecorder(tmp_path)
     _row(recorder, "events", kind="started", time_s=5.0)
     _row(recorder, "evaluations", when="before")
     recorder.close()
@@ -48,7 +48,7 @@ def test_rewind_keeps_the_timeline_and_a_second_rewind_moves_nothing(tmp_path):
     assert rewind_records(tmp_path, {}) == {}
     assert json.loads((tmp_path / "superseded" / "evaluations.jsonl").read_text())["when"] == "before"
     assert read_jsonl(tmp_path / "events.jsonl") == [{"kind": "started", "time_s": 5.0}]
-    reopened = RunRecorder(tmp_path, tensorboard=False)
+    reopened = RunRecorder(tmp_path)
     assert reopened.offsets() == {name: 35 if name == "events" else 0 for name in RECORD_FILES}
     assert 5.0 <= reopened.elapsed() < 60.0  # the clock goes on from the timeline's last row
     reopened.close()

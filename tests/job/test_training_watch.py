@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -16,13 +17,13 @@ from libra.job.loop import GrpoJob, TrainingLost
 from libra.job.recorder import RunRecorder, read_jsonl
 
 
-class _FakeWorkers:
-    """Stands in for `JobWorkers`: the watchdog's event and the lost ranks' description."""
+class _FakeTrainRanks:
+    """Stands in for `TrainRankGroup`: the watchdog's event and the lost ranks' description."""
 
     def __init__(self):
-        self.train_ranks_gone = asyncio.Event()
+        self.gone = asyncio.Event()
 
-    def train_ranks_lost(self) -> list[str]:
+    def lost(self) -> list[str]:
         return ["train rank train-0 on agent agent-1 (10.0.0.1): the agent is lost"]
 
 
@@ -40,8 +41,8 @@ def _job(tmp_path) -> GrpoJob:
     checkpoint.mkdir(parents=True)
     (checkpoint / "job_state.json").write_text(json.dumps({"version": 2}))
     job = GrpoJob(config)
-    job.workers = _FakeWorkers()
-    job.recorder = RunRecorder(tmp_path, tensorboard=False)
+    job.workers = SimpleNamespace(train_ranks=_FakeTrainRanks())
+    job.recorder = RunRecorder(tmp_path)
     return job
 
 
@@ -59,7 +60,7 @@ def test_a_loss_while_the_loop_waits_for_rollouts_ends_the_job_at_once(tmp_path)
     async def run():
         main = asyncio.create_task(job._train_until_done_or_lost())
         await waiting.wait()
-        job.workers.train_ranks_gone.set()
+        job.workers.train_ranks.gone.set()
         return await asyncio.wait_for(main, timeout=5)
 
     with pytest.raises(TrainingLost) as lost:
@@ -84,7 +85,7 @@ def test_a_failed_call_before_the_watchdog_is_recorded_once(tmp_path):
     async def run():
         main = asyncio.create_task(job._train_until_done_or_lost())
         await asyncio.sleep(0)
-        job.workers.train_ranks_gone.set()  # the watchdog notices too, a moment later
+        job.workers.train_ranks.gone.set()  # the watchdog notices too, a moment later
         return await main
 
     with pytest.raises(TrainingLost, match=r"during the train step .* UNAVAILABLE: connection refused"):
@@ -97,7 +98,7 @@ def test_a_loop_that_finishes_is_not_a_loss(tmp_path):
     job = _job(tmp_path)
 
     async def train_loop():
-        job.workers.train_ranks_gone.set()  # e.g. the ranks stopped as the job ends
+        job.workers.train_ranks.gone.set()  # e.g. the ranks stopped as the job ends
 
     job._train_loop = train_loop
     asyncio.run(job._train_until_done_or_lost())

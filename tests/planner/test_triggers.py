@@ -56,3 +56,14 @@ def test_apply_rule():
     assert not small.apply and "min_gain_ratio" in small.reason  # 2 % < 5 %
     assert not decide_apply(10.0, 10.5, 0.0, policy).apply
     assert decide_apply(10.0, 9.9, 0.0, TriggerPolicy(min_gain_ratio=0.0, reconfiguration_cost_s=0.0)).apply
+
+
+def test_measured_pressure_is_one_definition_for_job_and_simulator():
+    obs = StepObservation.measure(3, 1.0, 2.0, running=96, waiting=32, slots=128, rejected_total=5)
+    assert (obs.active_pressure, obs.queue_pressure) == (0.75, 0.25)
+    assert (obs.step, obs.train_s, obs.rollout_s, obs.rejected_total) == (3, 1.0, 2.0, 5)
+    # Saturated and empty clusters stay within [0, 1]; no instance is no division by zero.
+    full = StepObservation.measure(0, 1.0, 1.0, running=500, waiting=900, slots=128)
+    assert (full.active_pressure, full.queue_pressure) == (1.0, 1.0)
+    none = StepObservation.measure(0, 1.0, 1.0, running=0, waiting=4, slots=0)
+    assert (none.active_pressure, none.queue_pressure) == (0.0, 1.0)

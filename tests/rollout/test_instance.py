@@ -274,14 +274,15 @@ def _publisher_and_weights(model_dir):
     (known weights that greedy decoding can tell apart from the checkpoint's)."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoConfig
 
+    from libra.model_spec import ModelSpec
     from libra.sync import SyncConfig
+    from libra.sync.layouts import ModelShape
     from libra.sync.trainer_publisher import SourceRank, TrainerPublisher
     from libra.training.model import VOCAB_DIVISIBLE_BY, ModelArchitecture
-    from libra.training.worker import model_shape
 
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    model = ModelSpec.from_hf_dir(model_dir)
+    arch = ModelArchitecture.from_spec(model)
     original = load_file(str(model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(3)
     perturbed = {
@@ -290,7 +291,10 @@ def _publisher_and_weights(model_dir):
     }
     # Small buckets, so that a manifest has several.
     publisher = TrainerPublisher(
-        model_shape(arch), SourceRank(0, 0, 1, 0, 1, 0), SyncConfig(bucket_bytes=64 << 10), VOCAB_DIVISIBLE_BY
+        ModelShape.from_spec(model),
+        SourceRank(0, 0, 1, 0, 1, 0),
+        SyncConfig(bucket_bytes=64 << 10),
+        VOCAB_DIVISIBLE_BY,
     )
     return arch, publisher, original, perturbed
 
@@ -301,15 +305,14 @@ def _megatron_params(hf, arch):
     return hf_to_megatron(hf.__getitem__, arch, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
 
 
-def _assert_engine_holds(got, hf, arch):
+def _assert_engine_holds(got, hf, shape):
     """The engine computes with exactly `hf` as vLLM shards it (an independent reference slicing),
     including the packed copies that CPU GEMMs compute with."""
     import torch
 
-    from libra.training.worker import model_shape
     from tests.sync.reference_reshard import hf_to_vllm
 
-    expected = hf_to_vllm(hf, model_shape(arch), 1)[0]
+    expected = hf_to_vllm(hf, shape, 1)[0]
     for name in [n for n in got if n.endswith("@packed")]:
         # A tied LM head computes with a packed copy of the embedding.
         expected[name] = expected.get(name.removesuffix("@packed"), expected["model.embed_tokens.weight"])
@@ -400,7 +403,7 @@ def test_load_weights_switches_versions_never_half_loaded(instances, model_dirs)
     preempted = r["preempted"]
     assert preempted.finish_reason == FinishReason.PREEMPTED
     assert {c.weight_version for c in preempted.chunks} == {start}
-    _assert_engine_holds(r["after_params"], perturbed, arch)
+    _assert_engine_holds(r["after_params"], perturbed, publisher.shape)
     assert r["after_greedy"] != r["before_greedy"], "the perturbation did not change greedy output"
     ties = assert_greedy_under_hf(hf_model(model_dirs.scripted, perturbed), prompts, r["after_greedy"])
     assert ties <= 2, f"{ties} near-ties: the comparison says little"

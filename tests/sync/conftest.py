@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from libra.model_spec import ModelSpec
 from libra.sync import ModelShape, build_transfer_plan, logical_tensors, megatron_layout, vllm_layout
 
 PROBE_SEED = 21
-
-
-def model_shape(hf_config) -> ModelShape:
-    return ModelShape(
-        hidden_size=hf_config.hidden_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_heads=hf_config.num_attention_heads,
-        num_kv_heads=hf_config.num_key_value_heads,
-        head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
-        ffn_hidden_size=hf_config.intermediate_size,
-        vocab_size=hf_config.vocab_size,
-        tie_embeddings=hf_config.tie_word_embeddings,
-        qkv_bias=True,
-    )
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +25,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def shape(tiny_model) -> ModelShape:
-    from transformers import AutoConfig
-
-    return model_shape(AutoConfig.from_pretrained(tiny_model))
+    return ModelShape.from_spec(ModelSpec.from_hf_dir(tiny_model))
 
 
 @pytest.fixture(scope="session")

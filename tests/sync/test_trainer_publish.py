@@ -31,10 +31,10 @@ def _published_params(load) -> list[dict[str, torch.Tensor]]:
 
 def test_publish_weights_gathers_tp_shards_and_matches_the_export(ranks):  # noqa: F811
     from safetensors.torch import load
-    from transformers import AutoConfig
 
-    from libra.training.model import ModelArchitecture
-    from libra.training.worker import model_shape, trajectory_to_proto
+    from libra.model_spec import ModelSpec
+    from libra.sync.layouts import ModelShape
+    from libra.training.worker import trajectory_to_proto
     from libra.v1 import training_pb2
 
     stubs, root, model = ranks
@@ -56,7 +56,7 @@ def test_publish_weights_gathers_tp_shards_and_matches_the_export(ranks):  # noq
         assert published.version == version and sorted(published.loads) == [1, 2]
         paths += [Path(r.handle["path"]) for load_ in published.loads.values() for r in load_.ranks]
         hf = load(call_all(stubs, "ExportWeights", training_pb2.ExportWeightsRequest())[0].safetensors)
-        shape = model_shape(ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(model)))
+        shape = ModelShape.from_spec(ModelSpec.from_hf_dir(model))
         for tp, load_request in published.loads.items():
             assert load_request.version == version and load_request.tp_size == tp
             for rank, (got, expected) in enumerate(

@@ -21,8 +21,8 @@ def main(spec: dict) -> None:
 
     get_backend("cpu").prepare_worker()
     from megatron.core import parallel_state as ps
-    from transformers import AutoConfig
 
+    from libra.model_spec import ModelSpec
     from libra.training.config import GrpoConfig, TrainingConfig
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
@@ -35,7 +35,7 @@ def main(spec: dict) -> None:
         tp, 1, rank=spec["rank"], world_size=tp, master_addr="127.0.0.1", master_port=spec["port"], seed=1234
     )
     model_dir = spec["models"][0]
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    arch = ModelArchitecture.from_spec(ModelSpec.from_hf_dir(model_dir))
     cfg = TrainingConfig(
         tensor_parallel=tp,
         pipeline_parallel=1,

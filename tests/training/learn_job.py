@@ -53,6 +53,7 @@ def main(spec: dict) -> None:
     get_backend("cpu").prepare_worker()
     from transformers import AutoModelForCausalLM
 
+    from libra.model_spec import ModelSpec
     from libra.training.config import GrpoConfig, TrainingConfig
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
@@ -61,7 +62,7 @@ def main(spec: dict) -> None:
 
     info = initialize(1, 1, rank=0, world_size=1, master_addr="127.0.0.1", master_port=spec["port"])
     hf_model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
-    arch = ModelArchitecture.from_hf_config(hf_model.config)
+    arch = ModelArchitecture.from_spec(ModelSpec.from_hf_dir(spec["model"]))
     cfg = TrainingConfig(
         dtype=spec.get("dtype", "float32"),
         lr=spec["lr"],

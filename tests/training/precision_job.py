@@ -20,8 +20,7 @@ def main(spec: dict) -> None:
     from libra.backends import get_backend
 
     get_backend("cpu").prepare_worker()
-    from transformers import AutoConfig
-
+    from libra.model_spec import ModelSpec
     from libra.training.config import GrpoConfig, TrainingConfig
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
@@ -31,7 +30,7 @@ def main(spec: dict) -> None:
     from tests.training.tiny_models import make_batch
 
     info = initialize(1, 1, rank=0, world_size=1, master_addr="127.0.0.1", master_port=spec["port"])
-    arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(spec["model"]))
+    arch = ModelArchitecture.from_spec(ModelSpec.from_hf_dir(spec["model"]))
 
     def engine(dtype: str, lr: float) -> TrainEngine:
         cfg = TrainingConfig(

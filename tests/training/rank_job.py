@@ -29,8 +29,7 @@ def main(spec: dict) -> None:
     from libra.backends import get_backend
 
     get_backend("cpu").prepare_worker()
-    from transformers import AutoConfig
-
+    from libra.model_spec import ModelSpec
     from libra.training.config import GrpoConfig, TrainingConfig
     from libra.training.engine import TrainEngine
     from libra.training.hf_weights import hf_tensor_reader
@@ -50,7 +49,7 @@ def main(spec: dict) -> None:
     )
     results: dict = {}
     for model_dir in spec["models"]:
-        arch = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(model_dir))
+        arch = ModelArchitecture.from_spec(ModelSpec.from_hf_dir(model_dir))
         cfg = TrainingConfig(
             tensor_parallel=tp,
             pipeline_parallel=pp,

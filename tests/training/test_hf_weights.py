@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from libra.model_spec import ModelSpec
 from libra.training.hf_weights import fuse_qkv, hf_to_megatron, megatron_to_hf, merge_gate_up, split_qkv
 from libra.training.model import ModelArchitecture, padded_vocab_size
 
@@ -146,9 +147,37 @@ def test_round_trip_is_exact_for_any_tp_pp(tie, tp, pp):
     assert all(torch.equal(back[k], t[k]) for k in t)
 
 
-def test_architecture_from_hf_config_rejects_unsupported():
-    with pytest.raises(ValueError, match="model_type"):
-        ModelArchitecture.from_hf_config({"model_type": "gpt2"})
+LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 1,
+    "hidden_size": 8,
+    "num_attention_heads": 2,
+    "intermediate_size": 8,
+    "vocab_size": 10,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 16,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"rms_norm_eps": None}, "rms_norm_eps"),
+        ({"max_position_embeddings": None}, "max_position_embeddings"),
+    ],
+)
+def test_architecture_from_spec_rejects_what_megatron_cannot_build(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelArchitecture.from_spec(ModelSpec.from_hf_dict({**LLAMA, **change}))
+
+
+def test_architecture_from_spec_rejects_scaled_rope_of_a_transformers_config():
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
@@ -159,5 +188,5 @@ def test_architecture_from_hf_config_rejects_unsupported():
         num_attention_heads=2,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
     )
-    with pytest.raises(ValueError, match="rope_type"):
-        ModelArchitecture.from_hf_config(cfg)
+    with pytest.raises(ValueError, match="rope_type 'linear'"):
+        ModelArchitecture.from_spec(ModelSpec.from_hf_dict(cfg.to_dict()))

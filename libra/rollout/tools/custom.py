@@ -7,33 +7,20 @@ endpoint becomes a FAILURE result, an exceeded `timeout_s` a TIMEOUT result; not
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from typing import Any
 
+from libra.plugins import load_callable
 from libra.rollout.tools.base import ToolResult
 from libra.rollout.tools.config import CustomToolConfig
 from libra.rollout.tools.interpreter import truncate
 from libra.trajectory import ToolStatus
 
 _STATUS_NAMES = {"success": ToolStatus.SUCCESS, "failure": ToolStatus.FAILURE, "timeout": ToolStatus.TIMEOUT}
-
-
-def load_callable(spec: str) -> Callable[..., Any]:
-    """Imports `package.module:function`; raises ValueError naming the spec if it is not there."""
-    module_name, _, attribute = spec.partition(":")
-    try:
-        target = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"custom tool callable {spec!r} cannot be loaded: {exc}") from exc
-    if not callable(target):
-        raise ValueError(f"custom tool callable {spec!r} is not callable")
-    return target
 
 
 class _CustomTool:
@@ -70,7 +57,7 @@ class CallableTool(_CustomTool):
 
     def __init__(self, config: CustomToolConfig, max_result_chars: int = 4000, function=None) -> None:
         super().__init__(config, max_result_chars)
-        self.function = function or load_callable(config.callable)
+        self.function = function or load_callable(config.callable, f"tools.custom[{config.name!r}].callable")
 
     async def _invoke(self, arguments: dict[str, Any]) -> tuple[str, ToolStatus]:
         if inspect.iscoroutinefunction(self.function):
