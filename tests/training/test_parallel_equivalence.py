@@ -30,6 +30,8 @@ NUM_CPUS = 2
 STEPS = 5
 SAVE_AT = 2
 TOL = 1e-5
+TRAINED_RTOL = 2e-4
+"""After the steps: the layouts' logprobs agree to this share of what training moved them."""
 TEMPERATURE = 0.7
 SAVES = {"tp1": SAVE_AT, "tp2": SAVE_AT, "tp2dp2": SAVE_AT, "pp2": 0}
 """The step before which each job saves a checkpoint."""
@@ -164,10 +166,17 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 def test_tp2_pp2_dp2_logprobs_equal_tp1(jobs, models):
     ref = jobs["tp1"][models["qwen3"]]
+    # After training, fp32 rounding that differs between layouts (reduction orders) has gone
+    # through every step's update: the bound grows with how far training moved the logprobs,
+    # while a wrong gradient or update in one layout would be off by a share of that movement.
+    moved = max_diff(ref["logprobs_end"], ref["logprobs_start"])
+    assert moved > 100 * TOL  # training moved them: the bound below is not vacuous
+    trained_tol = TOL + TRAINED_RTOL * moved
     for name in LAYOUTS:
         got = jobs[name][models["qwen3"]]
         assert max_diff(got["logprobs_start"], ref["logprobs_start"]) <= TOL, name
-        assert max_diff(got["logprobs_end"], ref["logprobs_end"]) <= TOL, name
+        diff = max_diff(got["logprobs_end"], ref["logprobs_end"])
+        assert diff <= trained_tol, (name, diff, moved)
 
 
 def test_tp2_pp2_dp2_losses_equal_tp1(jobs, models):
