@@ -26,6 +26,7 @@ from pathlib import Path
 
 from libra.backends.config import BackendConfig
 from libra.control.config import ControlConfig
+from libra.endpoint.config import EndpointConfig
 from libra.job.config import JobConfig
 from libra.planner.config import PlannerConfig
 from libra.rollout.config import RolloutConfig
@@ -56,6 +57,8 @@ class LibraConfig:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """The OpenAI-compatible endpoint, and the user's agent the job runs against it."""
 
     def resolved(self) -> LibraConfig:
         """This config complete: the checks that span sections passed and the fields derived from

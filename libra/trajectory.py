@@ -87,10 +87,35 @@ class Trajectory:
             self.rollout_logprobs.extend(logprobs)
             self.policy_versions.extend([policy_version] * len(token_ids))
 
+    def truncate(self, num_response_tokens: int) -> None:
+        """Keeps only the first `num_response_tokens` response tokens (a stop string of the
+        OpenAI endpoint ends a turn inside what the engine sampled: the rest is not shown to the
+        client, so it must not be trained on either)."""
+        for per_token in (
+            self.response_token_ids,
+            self.loss_mask,
+            self.rollout_logprobs,
+            self.policy_versions,
+        ):
+            del per_token[num_response_tokens:]
+
     @property
     def token_ids(self) -> list[int]:
         """The full context: prompt then response."""
         return self.prompt_token_ids + self.response_token_ids
+
+    def model_turns(self) -> list[list[int]]:
+        """The model's turns: maximal runs of loss-mask-1 tokens of the response."""
+        turns, current = [], []
+        for token, mask in zip(self.response_token_ids, self.loss_mask, strict=True):
+            if mask:
+                current.append(token)
+            elif current:
+                turns.append(current)
+                current = []
+        if current:
+            turns.append(current)
+        return turns
 
     @property
     def num_generated_tokens(self) -> int:

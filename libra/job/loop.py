@@ -32,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from libra.config import LibraConfig
+from libra.job.agents import load_agent
 from libra.job.planning import StepTimes
 from libra.job.recorder import (
     HeldOutEvaluation,
@@ -45,6 +46,7 @@ from libra.job.rollouts import Group, GroupRollout, TaskStream
 from libra.job.setup import JobWorkers
 from libra.job.trackers import flat_config, open_trackers
 from libra.job.trainer import measure_logprob_gap
+from libra.rollout.environment import load_environment
 from libra.tasks.rewards import load_reward_function
 from libra.training.staleness import StalenessGate
 from libra.trajectory import Trajectory
@@ -75,6 +77,10 @@ class GrpoJob:
         self._resume_from = _last_checkpoint(self.run_dir) if resume else None  # refused before any start
         if config.tasks.reward_function:  # a reward function that cannot be loaded: before any start
             load_reward_function(config.tasks.reward_function)
+        if config.tasks.environment:  # likewise an environment class
+            load_environment(config.tasks.environment)
+        if config.endpoint.agent:  # and an agent
+            load_agent(config.endpoint.agent)
         self.gate = StalenessGate(config.training.max_staleness, self.job.batch_size)
         self.in_flight: dict[int, asyncio.Task[Group]] = {}
         self.finished: dict[int, Group] = {}
@@ -275,6 +281,8 @@ class GrpoJob:
             qa_metric=self.config.tasks.qa_metric,
             sandbox=self.workers.sandbox,
             reward_function=self.config.tasks.reward_function,
+            environment=self.config.tasks.environment,
+            agent=self.workers.agent_runner,
         )
 
     async def _evaluate(self, when: str) -> None:
@@ -331,6 +339,7 @@ class GrpoJob:
                 if self.planning is not None:
                     self.planning.record(group.traces)
                 self.num_rolled_out += len(group.trajectories)
+                self._account(group)
                 usable = [t for t in group.trajectories if t.num_generated_tokens > 0]
                 self.gate.drop(len(group.trajectories) - len(usable))
                 fresh = self.gate.admit([t.oldest_policy_version for t in usable])
@@ -338,6 +347,16 @@ class GrpoJob:
                 batch += [t for t, ok in zip(usable, fresh, strict=True) if ok]
             self._launch_groups()  # dropped trajectories returned slots
         return batch
+
+    def _account(self, group: Group) -> None:
+        """A group holds `group_size` gate slots, but an agent's session may bring several
+        segments (a rewritten history) or none (an agent that never called): the surplus counts
+        as started on arrival, the shortfall as dropped, so the gate's counters stay whole."""
+        surplus = len(group.trajectories) - self.job.group_size
+        if surplus > 0:
+            self.gate.arrived_unstarted(surplus)
+        elif surplus < 0:
+            self.gate.drop(-surplus)
 
     async def _collect_finished(self) -> None:
         """Waits until at least one group has finished; moves every finished one over."""

@@ -40,6 +40,7 @@ class JobWorkers:
         self.publication: WeightPublication | None = None
         self.train_ranks: TrainRankGroup | None = None
         self.instances: RolloutInstances | None = None
+        self.endpoint = self.agent_runner = None
 
     async def start(self, recorder: RunRecorder) -> None:
         from libra.rollout.tools.sandbox import SandboxPool
@@ -79,6 +80,7 @@ class JobWorkers:
         self.agent_loop = AgentLoop(
             self.pool, self.source.chat, self.source.tools, self.config.rollout.agent, self.config.scheduler
         )
+        await self._start_endpoint()
         self.progress = Progress(
             self.job, self.config.run_dir, live=self.job.live_progress and sys.stdout.isatty()
         )
@@ -92,6 +94,30 @@ class JobWorkers:
             f"{len(self.train_ranks.addresses)} train rank(s)",
             model=str(self.source.model_dir),
         )
+
+    async def _start_endpoint(self) -> None:
+        """The OpenAI-compatible endpoint over the agent loop (`endpoint.serve`), and the user's
+        agent that the rollouts run against it (`endpoint.agent`)."""
+        self.endpoint = self.agent_runner = None
+        settings = self.config.endpoint
+        if not settings.enabled:
+            return
+        from libra.endpoint.server import OpenAIEndpoint, tls_context
+        from libra.endpoint.service import EndpointService
+        from libra.job.agents import AgentRunner
+
+        control = self.config.control
+        service = EndpointService(self.agent_loop, settings)
+        tls = tls_context(control.tls_cert_file, control.tls_key_file)
+        self.endpoint = await OpenAIEndpoint(
+            service, self.cluster.token, control.host, settings.port, tls
+        ).start()
+        (self.run_dir / "endpoint.url").write_text(self.endpoint.url + "\n")
+        if settings.agent:
+            tools = {tool.name: tool for tool in self.source.tools}
+            self.agent_runner = AgentRunner(
+                settings.agent, service, self.endpoint.url, self.cluster.token, tools
+            )
 
     @property
     def pool(self):
@@ -168,6 +194,8 @@ class JobWorkers:
             self.progress.occupancy(per_bucket, sample.tokens_per_s)
 
     async def stop(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.close()
         await self.fleet.close(timeout_s=self.job.worker_start_timeout_s)
         for task in self._background:
             task.cancel()

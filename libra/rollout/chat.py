@@ -7,6 +7,12 @@ The tool's result goes back as a user turn wrapped in `<tool_response>`:
     ...</tool_call> | <|im_end|>\\n<|im_start|>user\\n<tool_response>\\n{result}\\n</tool_response>
                       <|im_end|>\\n<|im_start|>assistant\\n
 
+An environment's observation (`libra.rollout.environment`) goes back as a plain user turn, after
+either ending of the model's turn (`user_turn_ids`):
+
+    ...</tool_call> | <|im_end|>\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n
+    ...<|im_end|>   | \n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n
+
 The model's own tokens are never re-tokenized: a tool call is parsed by decoding a copy, and the
 result is appended as new tokens after the model's.
 """
@@ -57,6 +63,9 @@ class ChatFormat:
         self.tool_call_end_id = ids[TOOL_CALL_END]
         self._result_prefix = self._markup(f"{IM_END}\n{IM_START}user\n{TOOL_RESPONSE_START}\n")
         self._result_suffix = self._markup(f"\n{TOOL_RESPONSE_END}{IM_END}\n{IM_START}assistant\n")
+        self._user_after_call = self._markup(f"{IM_END}\n{IM_START}user\n")
+        self._user_after_end = self._markup(f"\n{IM_START}user\n")
+        self._user_suffix = self._markup(f"{IM_END}\n{IM_START}assistant\n")
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -66,10 +75,12 @@ class ChatFormat:
     def _markup(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template applied to `messages` with the tools, ending with the assistant header."""
+    def prompt_ids(self, messages: list[dict[str, Any]], list_tools: bool = True) -> list[int]:
+        """The chat template applied to `messages` with the tools (unless `list_tools` is False: an
+        environment's prompt), ending with the assistant header."""
+        tools = self.tool_schemas if list_tools else None
         text = self.tokenizer.apply_chat_template(
-            messages, tools=self.tool_schemas or None, tokenize=False, add_generation_prompt=True
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
         )
         return self._markup(text)
 
@@ -77,6 +88,20 @@ class ChatFormat:
         """Tokens appended after a `</tool_call>`. Special-token text inside `content` is split
         into plain tokens, so a tool's output cannot forge chat markup."""
         return self._result_prefix + self._plain_ids(content) + self._result_suffix
+
+    def user_turn_ids(self, content: str, after: int) -> list[int]:
+        """Tokens of a user message appended after a model turn whose last token is `after` (one
+        of `stop_token_ids`), ending with the next assistant header; `content` is tokenized as
+        plain text, as in `tool_result_ids`."""
+        if after == self.tool_call_end_id:
+            prefix = self._user_after_call
+        elif after == self.eos_id:
+            prefix = self._user_after_end
+        else:
+            raise ValueError(
+                f"a user turn follows a turn ended by {self.stop_token_ids}, not by token {after}"
+            )
+        return prefix + self._plain_ids(content) + self._user_suffix
 
     def _plain_ids(self, text: str) -> list[int]:
         """`text` tokenized as plain text (special-token strings split into ordinary tokens).

@@ -12,9 +12,11 @@ class TasksConfig:
     """A dataset file, or (when `dataset_path` is None) generated procedural tasks."""
 
     dataset_path: str | None = None
-    """JSONL or parquet records (see `libra.tasks.datasets` for the accepted shapes)."""
+    """JSONL, parquet or arrow records, or a folder: one written by `datasets`' `save_to_disk`, or of
+    parquet / JSONL / arrow files (folders and arrow need `pip install 'libra-rl[data]'`). See
+    `libra.tasks.datasets` for the accepted record shapes."""
     dataset_shape: str = "auto"
-    """`auto` (per record), `libra`, `dapo_math`, `search_r1` or `r2e_gym`."""
+    """`auto` (per record), `libra`, `dapo_math`, `verl`, `search_r1` or `r2e_gym`."""
     max_records: int | None = None
     """Read at most this many records (None: all)."""
     procedural_family: str = "mixed"
@@ -31,6 +33,11 @@ class TasksConfig:
     """A reward function (`package.module:function`, sync or async, given a
     `libra.tasks.rewards.RewardInput`) replacing the built-in reward of every task type; empty:
     the built-in rules. See `examples/custom_reward.py`."""
+    environment: str = ""
+    """An environment class (`package.module:Class`, `libra.rollout.environment.Environment`) that
+    answers every model turn instead of the tools: one instance per trajectory, reset with its task
+    record, stepped with each turn's text; the trajectory's reward is the sum of its step rewards
+    (unless `reward_function` is set). Empty: the tools. See `examples/custom_environment.py`."""
 
     def __post_init__(self) -> None:
         if self.dataset_shape not in SHAPES:
@@ -54,5 +61,7 @@ class TasksConfig:
             raise ValueError(
                 f"tasks.reward_function must be 'package.module:function', got {self.reward_function!r}"
             )
+        if self.environment and (self.environment.count(":") != 1 or not all(self.environment.split(":"))):
+            raise ValueError(f"tasks.environment must be 'package.module:Class', got {self.environment!r}")
         if self.qa_metric not in ("em", "f1"):
             raise ValueError(f"tasks.qa_metric must be em or f1, got {self.qa_metric!r}")

@@ -93,7 +93,7 @@ async def run_tasks(
 
 
 async def score(chat: ChatFormat, task: ProceduralTask, trajectory: Trajectory) -> TaskResult:
-    turns = _model_turns(trajectory)
+    turns = trajectory.model_turns()
     calls = trajectory.tool_returns
     final_text = None
     if trajectory.outcome == Outcome.ANSWERED and turns:
@@ -110,20 +110,6 @@ async def score(chat: ChatFormat, task: ProceduralTask, trajectory: Trajectory) 
         wellformed_final=wellformed_final,
         outcome=trajectory.outcome.value,
     )
-
-
-def _model_turns(trajectory: Trajectory) -> list[list[int]]:
-    """The model's turns: maximal runs of loss-mask-1 tokens of the response."""
-    turns, current = [], []
-    for token, mask in zip(trajectory.response_token_ids, trajectory.loss_mask, strict=True):
-        if mask:
-            current.append(token)
-        elif current:
-            turns.append(current)
-            current = []
-    if current:
-        turns.append(current)
-    return turns
 
 
 def summarize(results: Sequence[TaskResult]) -> EvalSummary:

@@ -1,8 +1,9 @@
 """Rewards: math answers (normalised exact match), code (tests pass in the sandbox) and retrieval
 QA (exact match / F1). Each returns a score in [0, 1]; a malformed or missing answer scores 0.
 A user's reward function (`tasks.reward_function`, `module:function`) replaces them: it gets a
-`RewardInput` (the task record, the trajectory, its decoded response and final answer), may be
-sync or async, and returns a finite number.
+`RewardInput` (the task record, the trajectory, its decoded response and final answer, and an
+environment's reward when `tasks.environment` is set), may be sync or async, and returns a finite
+number.
 
 Answer extraction, in order: the last `<answer>…</answer>`, the last `\\boxed{…}` (braces
 balanced), the last `Answer: …` line (DAPO's format). No answer found: 0.
@@ -227,6 +228,9 @@ class RewardInput:
     """The whole response decoded: every model turn and tool output."""
     answer: str | None
     """The last model turn decoded when the trajectory ended with an answer; None otherwise."""
+    environment_reward: float | None = None
+    """With `tasks.environment`: the sum of the environment's step rewards (which the reward
+    function replaces as the trajectory's reward); None without an environment."""
 
 
 RewardFunction = Callable[[RewardInput], float | Awaitable[float]]

@@ -86,6 +86,11 @@ class StalenessGate:
         self.state.num_dropped += decisions.count(False)
         return decisions
 
+    def arrived_unstarted(self, count: int) -> None:
+        """Counts trajectories that arrived without a slot of their own (the extra segments of an
+        agent's session) as started, so that admitting or dropping them balances."""
+        self.state.num_started += count
+
     def drop(self, count: int) -> None:
         """Frees slots of trajectories discarded for another reason (e.g. dynamic sampling)."""
         self.state.num_dropped += count

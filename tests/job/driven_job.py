@@ -28,6 +28,15 @@ EXTERNALLY_PLANNED = [
 """Overrides of a run whose plans come from the driver (`ProposePlan`), not the planner's own
 candidates, with no periodic checkpoint in the way."""
 
+ONE_INSTANCE = [
+    "job.rollout_tp_sizes=1",
+    "backend.num_devices=2",
+    "job.checkpoint_interval=0",
+    "job.live_progress=false",
+]
+"""Overrides of a small job: one TP-1 instance and a train rank on two CPU slots, no periodic
+checkpoint, no live table."""
+
 
 def model_overrides() -> list[str]:
     """`LIBRA_JOB_TEST_MODEL` names a policy to use instead of the cached warm-started one."""
@@ -69,3 +78,23 @@ def run_driven_job(
     finally:
         driver["stop"] = True
         thread.join()
+
+
+def run_with_reward_spy(config) -> tuple[JobResult, list]:
+    """Runs the job of `config`, recording (task, trajectory, reward) of every reward it gives."""
+    import pytest
+
+    from libra.job.rollouts import GroupRollout
+
+    seen: list = []
+    real_reward = GroupRollout.reward
+
+    async def spy(self, task, trajectory):
+        reward = await real_reward(self, task, trajectory)
+        seen.append((task, trajectory, reward))
+        return reward
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GroupRollout, "reward", spy)
+        result = GrpoJob(config).run()
+    return result, seen

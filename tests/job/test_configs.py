@@ -149,7 +149,8 @@ def test_the_gpu_configs_are_real_cluster_configs():
         (
             "qwen25_7b_dapo",
             "tasks.dataset_shape=gsm8k",
-            "tasks.dataset_shape must be one of ('auto', 'libra', 'dapo_math', 'search_r1', 'r2e_gym')",
+            "tasks.dataset_shape must be one of "
+            "('auto', 'libra', 'dapo_math', 'verl', 'search_r1', 'r2e_gym')",
         ),
         (
             "search_r1",

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from libra.config import load_config
-from libra.job.loop import GrpoJob
 from libra.job.recorder import read_jsonl
 from libra.job.rollouts import GroupRollout, load_dataset_tasks
 from libra.rollout.chat import ChatFormat
@@ -30,6 +29,7 @@ from libra.tasks.config import TasksConfig
 from libra.tasks.datasets import TaskRecord, TaskType
 from libra.trajectory import Outcome, Trajectory
 from tests.job import reward_plugin
+from tests.job.driven_job import ONE_INSTANCE, run_with_reward_spy
 
 NUM_STEPS = 2
 REWARD_FUNCTION = "tests.job.reward_plugin:length_and_row"
@@ -163,6 +163,11 @@ def test_dataset_tasks_need_their_task_types_tools(tmp_path):
     server = CustomToolConfig(name="retrieve", endpoint="http://127.0.0.1:8000/retrieve")
     served = ToolsConfig(enabled=[], custom=[server])
     assert load_dataset_tasks(TasksConfig(dataset_path=str(dataset)), served) == records
+    # An environment answers every turn: no tool is run, so none is needed.
+    answered = TasksConfig(
+        dataset_path=str(dataset), environment="examples.custom_environment:MathWithFeedback"
+    )
+    assert load_dataset_tasks(answered, ToolsConfig(enabled=[])) == records
 
 
 def test_a_dataset_job_needs_a_model(tmp_path):
@@ -179,16 +184,13 @@ def dataset_run(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("dataset-job")
     dataset = _write_dataset(root / "dapo_math.jsonl")
     overrides = [
+        *ONE_INSTANCE,
         f"run_dir={root / 'run'}",
         f"tasks.dataset_path={dataset}",
         f"job.model={tiny_model}",
         f"job.num_steps={NUM_STEPS}",
         "job.prompts_per_step=2",
         "job.group_size=2",
-        "job.rollout_tp_sizes=1",
-        "backend.num_devices=2",
-        "job.checkpoint_interval=0",
-        "job.live_progress=false",
         "job.metrics_port=-1",
         # Short turns: the random model rarely ends one, so trajectories end at the turn cap.
         "rollout.agent.max_turns=2",
@@ -198,17 +200,7 @@ def dataset_run(tmp_path_factory, tiny_model):
         f"tasks.reward_function={REWARD_FUNCTION}",
     ]
     config = load_config("configs/tiny_cpu.py", overrides)
-    seen: list[tuple[TaskRecord, Trajectory, float]] = []
-    real_reward = GroupRollout.reward
-
-    async def spy(self, task, trajectory):
-        reward = await real_reward(self, task, trajectory)
-        seen.append((task, trajectory, reward))
-        return reward
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(GroupRollout, "reward", spy)
-        result = GrpoJob(config).run()
+    result, seen = run_with_reward_spy(config)
     assert result.version == NUM_STEPS
     return Path(config.run_dir), seen
 

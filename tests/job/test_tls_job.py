@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from libra.control.auth import open_channel
 from libra.control.config import ControlConfig
 from tests.control.test_tls_and_cli import certificate  # noqa: F401 - a fixture
-from tests.job.driven_job import run_driven_job, wait_for
+from tests.job.driven_job import ONE_INSTANCE, run_driven_job, wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(600)]
 
@@ -53,17 +53,14 @@ def test_a_tls_run_serves_tls_everywhere_and_trains(tmp_path, certificate):  # n
     control = ControlConfig(tls_cert_file=str(cert), tls_key_file=str(key))
     driver = {"control": control}
     overrides = [
+        *ONE_INSTANCE,
         f"control.tls_cert_file={cert}",
         f"control.tls_key_file={key}",
         f"job.num_steps={NUM_STEPS}",
         "job.prompts_per_step=2",
         "job.group_size=4",
-        "job.checkpoint_interval=0",
-        "job.live_progress=false",
         "job.eval_tasks=0",
         "job.planner=false",
-        "backend.num_devices=2",
-        "job.rollout_tp_sizes=1",
     ]
     result = run_driven_job(tmp_path / "run", overrides, _probe_workers, driver)
     assert result.version == NUM_STEPS

@@ -35,11 +35,15 @@ class ScriptedInstance(MultiplexedGenerate, rollout_pb2_grpc.RolloutInstanceServ
         self.reported_max_model_len = reported_max_model_len or engine_max_model_len
         self.requests: list[rollout_pb2.GenerateRequest] = []
 
+    def turn_for(self, request) -> list[int]:
+        """The scripted turn answering `request`: turn k after k tool calls in its context."""
+        calls = list(request.prompt_token_ids).count(self.tool_call_end_id)
+        return self.turns[min(calls, len(self.turns) - 1)]
+
     async def Generate(self, request, context):
         self.requests.append(request)
-        context_ids = list(request.prompt_token_ids)
-        turn = self.turns[min(context_ids.count(self.tool_call_end_id), len(self.turns) - 1)]
-        room = self.engine_max_model_len - len(context_ids)
+        turn = self.turn_for(request)
+        room = self.engine_max_model_len - len(request.prompt_token_ids)
         limit = min(request.sampling.max_tokens, room)
         tokens = turn[:limit]
         finished = len(tokens) == len(turn)
