@@ -7,7 +7,8 @@
   on the same rollout devices (the default's TP-2 + TP-1 become three TP-1 instances) and a static
   split of devices (planner and elastic pool off).
 
-Prints, per mode: rollout throughput (generated tokens/s over the run and per step), wall time
+Prints, per mode: trained throughput (model tokens of the trajectories trained on, per second of
+the steps), the share of finished trajectories dropped as stale, wall time
 per step, the time-to-reward (seconds until the 3-step moving mean of the batch reward first
 reaches --target), the held-out reward before and after, then the Libra / baseline ratios. The
 two runs are sequential on the same machine; the load average is printed because the machine is
@@ -41,6 +42,11 @@ def time_to_reward(steps: list[dict], target: float, window: int = 3) -> float |
     return None
 
 
+def _dropped_share(steps: list[dict]) -> float:
+    dropped = sum(s["num_dropped_stale"] for s in steps)
+    return dropped / max(dropped + sum(s["num_trajectories"] for s in steps), 1)
+
+
 def run_mode(name: str, out: Path, overrides: list[str]) -> dict:
     run_dir = out / name
     run_job(load_config("configs/tiny_cpu.py", [f"run_dir={run_dir}", *overrides]))
@@ -51,6 +57,7 @@ def run_mode(name: str, out: Path, overrides: list[str]) -> dict:
         "name": name,
         "steps": steps,
         "tokens_per_s": sum(s["generated_tokens"] for s in steps) / rollout_s,
+        "dropped": _dropped_share(steps),
         "trajectories_per_s": len(samples) / rollout_s,
         "step_s": rollout_s / len(steps),
         "final_reward": sum(s["mean_reward"] for s in steps[-3:]) / min(3, len(steps)),
@@ -81,19 +88,20 @@ def main() -> int:
         f"pools: libra TP {job.rollout_tp_sizes}, baseline TP {homogeneous}"
     )
     print(
-        f"{'mode':10} {'tok/s':>8} {'traj/s':>8} {'s/step':>8} {'reward(last3)':>14} {'time-to-reward':>15} "
-        "held-out reward"
+        f"{'mode':10} {'trained tok/s':>13} {'dropped':>8} {'traj/s':>8} {'s/step':>8} {'reward(last3)':>14} "
+        f"{'time-to-reward':>15} held-out reward"
     )
     for m in (libra, baseline):
         ttr = time_to_reward(m["steps"], args.target)
         print(
-            f"{m['name']:10} {m['tokens_per_s']:8.0f} {m['trajectories_per_s']:8.2f} {m['step_s']:8.1f} "
+            f"{m['name']:10} {m['tokens_per_s']:13.0f} {m['dropped']:8.1%} {m['trajectories_per_s']:8.2f} "
+            f"{m['step_s']:8.1f} "
             f"{m['final_reward']:14.3f} {f'{ttr:.0f} s' if ttr is not None else 'not reached':>15} "
             f"{m['held_out']}"
         )
     print(
         "throughput ratio libra/baseline: "
-        f"{libra['tokens_per_s'] / baseline['tokens_per_s']:.2f} (tokens/s), "
+        f"{libra['tokens_per_s'] / baseline['tokens_per_s']:.2f} (trained tokens/s), "
         f"{libra['trajectories_per_s'] / baseline['trajectories_per_s']:.2f} (trajectories/s)"
     )
     return 0

@@ -5,10 +5,11 @@
 
 Runs configs/sim_r2e_48xa800.py (the original's setting: 48 A800, Qwen3-14B, R2E-like), the same
 at 160 Ascend 910B, and at 1,024 H100 GPUs; prints each markdown table with Libra's throughput
-ratio over every baseline and ablation and its step time over the ideal (no idle device) bound,
-and writes report.md + PNG plots per config under --out. Before each table, "which rollout mix
-wins": the planner's predicted step for a pool of one TP size only against its free choice of
-mix (the planner's cost model; the simulated table then shows what the chosen pool achieves);
+ratio (trained tokens/s) over every baseline and ablation and its step time over the ideal (no
+idle device) bound, and writes report.md + PNG plots per config under --out. Before each table,
+"which rollout mix wins": the planner's predicted step for a pool of one TP size only against its
+free choice of mix (the planner's cost model; the simulated table then shows what the chosen pool
+achieves);
 and "which split wins", at the start of the drift and at its end: whether a re-plan has another
 split to move to. After each table, what full Libra's re-plans found.
 Single-threaded; each 48-device policy takes about 10-30 s of CPU for 100 steps.

@@ -8,9 +8,12 @@
 Asynchrony comes from the gate: with `max_staleness` s, rollouts may be started for up to
 (version + s + 1) batches, so while the trainer takes step n the instances are already
 generating step n+1's groups (and switch to the new weights between tokens when they arrive).
-Trajectories whose oldest token is more than s versions old when their batch is formed are
-dropped, never trained on. Training and weight export are blocking gRPC calls made from a
-thread, so the event loop keeps driving every trajectory meanwhile.
+No trajectory whose oldest token is more than s versions old is trained on: by default such a
+group is dropped, whole, when its batch is formed; with `training.staleness_mode=wait` the
+trainer instead waits, before a step, for the groups launched s versions ago, so the long tail
+is trained on rather than thrown away.
+Training and weight export are blocking gRPC calls made from a thread, so the event loop keeps
+driving every trajectory meanwhile.
 
 A run is resumable from its first step: the starting state is checkpointed before the first
 rollout. A checkpoint holds, besides the trainer's, the data position, the gate, the router, the
@@ -86,6 +89,8 @@ class GrpoJob:
         self.finished: dict[int, Group] = {}
         self.unfinished: dict[int, int] = {}
         """Group index -> task index of every group launched and not yet taken into a batch."""
+        self.launched_at: dict[int, int] = {}
+        """Group index -> the trainer's version when it was launched (groups in flight)."""
         self._relaunch: list[tuple[int, int]] = []
         """(group index, task index) of the unfinished groups of the checkpoint resumed from."""
         self.steps: list[StepMetrics] = []
@@ -220,6 +225,8 @@ class GrpoJob:
                 num_dropped_stale=self._last_dropped,
                 generated_tokens=sum(t.num_generated_tokens for t in batch),
                 rollout_tokens_per_s=new_tokens / max(now - last_time, 1e-6),
+                trained_tokens_per_s=sum(t.num_generated_tokens for t in batch)
+                / max(now - step_started, 1e-6),
                 step_time_s=now - step_started,
                 train_time_s=publish_started - train_started,
                 publish_time_s=now - publish_started,
@@ -322,12 +329,15 @@ class GrpoJob:
                 index = self.stream.position
                 task_index, task = self.stream.next()
             self.unfinished[index] = task_index
+            self.launched_at[index] = self.gate.version
             group = Group(index, task_index, self.gate.version)
             self.in_flight[index] = asyncio.create_task(self.rollout.run(group, task))
 
     async def _next_batch(self) -> list[Trajectory]:
-        """The oldest finished groups, until a batch is full; stale and empty trajectories are
-        dropped (their gate slots freed) and replaced by newer ones."""
+        """The oldest finished groups, until a batch is full; empty trajectories and (whole)
+        stale groups are dropped (their gate slots freed) and replaced by newer ones. In `wait`
+        mode the batch waits for every group that would be too stale after this step, so none
+        is (`training.staleness_mode`)."""
         batch: list[Trajectory] = []
         self._last_dropped = 0
         while len(batch) < self.job.batch_size:
@@ -342,9 +352,10 @@ class GrpoJob:
                 self._account(group)
                 usable = [t for t in group.trajectories if t.num_generated_tokens > 0]
                 self.gate.drop(len(group.trajectories) - len(usable))
-                fresh = self.gate.admit([t.oldest_policy_version for t in usable])
-                self._last_dropped += fresh.count(False)
-                batch += [t for t, ok in zip(usable, fresh, strict=True) if ok]
+                if self.gate.admit_group([t.oldest_policy_version for t in usable]):
+                    batch += usable
+                else:
+                    self._last_dropped += len(usable)
             self._launch_groups()  # dropped trajectories returned slots
         return batch
 
@@ -359,11 +370,18 @@ class GrpoJob:
             self.gate.drop(-surplus)
 
     async def _collect_finished(self) -> None:
-        """Waits until at least one group has finished; moves every finished one over."""
+        """Waits until at least one group has finished, and in `wait` mode every group this step
+        must train on (`StalenessGate.must_train`); moves every finished one over. The groups it
+        waits for are the oldest, so the batch takes them first."""
+        if self.config.training.staleness_mode == "wait":
+            due = [t for i, t in self.in_flight.items() if self.gate.must_train(self.launched_at[i])]
+            if due:
+                await asyncio.wait(due)
         if not any(t.done() for t in self.in_flight.values()):
             await asyncio.wait(self.in_flight.values(), return_when=asyncio.FIRST_COMPLETED)
         for index in [i for i, t in self.in_flight.items() if t.done()]:
             self.finished[index] = self.in_flight.pop(index).result()
+            del self.launched_at[index]
 
     # -- checkpoints ---------------------------------------------------------------------------
 

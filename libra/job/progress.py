@@ -31,7 +31,9 @@ class Progress:
                 f"[libra] step {metrics.step}/{num_steps}  reward {metrics.mean_reward:.3f}  "
                 f"tool use {metrics.tool_use_rate:.2f}  "
                 f"trained {metrics.num_trajectories} (stale-dropped {metrics.num_dropped_stale})  "
-                f"rollout {metrics.rollout_tokens_per_s:.0f} tok/s  step {metrics.step_time_s:.1f} s "
+                f"{metrics.trained_tokens_per_s:.0f} trained tok/s "
+                f"(rollout {metrics.rollout_tokens_per_s:.0f})  "
+                f"step {metrics.step_time_s:.1f} s "
                 f"(train {metrics.train_time_s:.1f}, publish {metrics.publish_time_s:.2f})  "
                 f"buckets {self._occupancy}  plan {plan}",
                 flush=True,
@@ -51,6 +53,7 @@ class Progress:
             ("step", f"{m.step if m else 0} / {self.job.num_steps}"),
             ("mean reward (last step)", f"{m.mean_reward:.3f}" if m else "-"),
             ("share calling a tool", f"{m.tool_use_rate:.2f}" if m else "-"),
+            ("trained throughput (last step)", f"{m.trained_tokens_per_s:.0f} tok/s" if m else "-"),
             ("rollout throughput", f"{self._tokens_per_s:.0f} tok/s now"),
             ("buckets (requests in flight)", "  ".join(f"{k}: {v}" for k, v in self._occupancy.items())),
             (

@@ -52,6 +52,11 @@ class JobMetrics:
         self.trajectories = Counter("libra_trajectories_trained_total", "Trajectories trained on", registry=r)
         self.tokens_per_s = Gauge("libra_rollout_tokens_per_second", "Generated tokens/s (all instances)",
                                   registry=r)  # fmt: skip
+        self.trained_tokens_per_s = Gauge(
+            "libra_trained_tokens_per_second",
+            "Model tokens trained on per second of the last step",
+            registry=r,
+        )
         self.in_flight = Gauge("libra_bucket_requests_in_flight", "Requests in flight per bucket", ["bucket"],
                                registry=r)  # fmt: skip
         self.logprob_gap = Gauge("libra_logprob_gap", "Train/inference |logprob diff| of the last step",
@@ -93,6 +98,7 @@ class JobMetrics:
         ):
             self.step_seconds.labels(phase).set(seconds)
         self.staleness.set(m.mean_staleness)
+        self.trained_tokens_per_s.set(m.trained_tokens_per_s)
         if m.num_current_tokens:  # the gap is NaN for steps without a comparable trajectory
             self.logprob_gap.labels("mean").set(m.logprob_abs_diff)
             self.logprob_gap.labels("max").set(m.logprob_max_abs_diff)

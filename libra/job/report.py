@@ -95,7 +95,9 @@ def write_report(run_dir: str | Path) -> Path:
             for e in evaluations
         ],
         f"- wall time: {steps[-1]['time_s'] if steps else 0:.0f} s",
-        f"- mean rollout throughput: {_mean([s['rollout_tokens_per_s'] for s in steps]):.0f} tokens/s",
+        _trained_line(steps),
+        f"- mean rollout throughput: {_mean([s['rollout_tokens_per_s'] for s in steps]):.0f} tokens/s "
+        "(generated, trained on or not)",
         f"- mean step time: {_mean([s['step_time_s'] for s in steps]):.1f} s "
         f"(train {_mean([s['train_time_s'] for s in steps]):.1f} s, "
         f"publish {_mean([s['publish_time_s'] for s in steps]):.2f} s)",
@@ -108,14 +110,14 @@ def write_report(run_dir: str | Path) -> Path:
         "",
         "## Steps",
         "",
-        "| step | reward | tool use | trained | stale-dropped | tokens/s | step s | train s | publish s "
-        "| loss | entropy | logprob gap max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| step | reward | tool use | trained | stale-dropped | trained tok/s | rollout tok/s | step s "
+        "| train s | publish s | loss | entropy | logprob gap max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in steps:
         lines.append(
             f"| {s['step']} | {s['mean_reward']:.3f} | {s['tool_use_rate']:.2f} | {s['num_trajectories']} | "
-            f"{s['num_dropped_stale']} | "
+            f"{s['num_dropped_stale']} | {s.get('trained_tokens_per_s', float('nan')):.0f} | "
             f"{s['rollout_tokens_per_s']:.0f} | {s['step_time_s']:.1f} | {s['train_time_s']:.1f} | "
             f"{s['publish_time_s']:.2f} | {s['loss']:.4f} | {s['entropy']:.3f} | {_gap(s)} |"
         )
@@ -157,6 +159,21 @@ def _gap_line(steps: list[dict]) -> str:
         f"({sum(s['num_current_tokens'] for s in measured)} tokens): "
         f"mean {_mean([s['logprob_abs_diff'] for s in measured]):.1e}, "
         f"max {max(s['logprob_max_abs_diff'] for s in measured):.1e}"
+    )
+
+
+def _trained_line(steps: list[dict]) -> str:
+    """Trained tokens/s over the run's steps and the share of finished trajectories dropped: the
+    throughput a run turns into training, and the work it threw away."""
+    tokens = sum(s["generated_tokens"] for s in steps)
+    seconds = sum(s["step_time_s"] for s in steps)
+    trained = sum(s["num_trajectories"] for s in steps)
+    dropped = sum(s["num_dropped_stale"] for s in steps)
+    finished = trained + dropped
+    return (
+        f"- trained throughput: {tokens / seconds if seconds else float('nan'):.0f} tokens/s "
+        f"({tokens} model tokens trained on in {seconds:.0f} s of steps); finished trajectories dropped "
+        f"as stale: {dropped} of {finished} ({100 * dropped / finished if finished else 0:.1f} %)"
     )
 
 

@@ -23,6 +23,7 @@ from libra.planner.cpu_reference import cpu_profile
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
 from libra.scheduler.factory import RouterKind
 from libra.sim.workloads import WorkloadConfig
+from libra.training.config import STALENESS_MODES
 
 PROFILES: dict[str, HardwareProfile] = {
     "a800": A800_SXM4_80GB,
@@ -236,8 +237,16 @@ class SimConfig:
     (`AsyncLLM.from_engine_args`, what `libra.rollout` does), `llm` (the offline `LLM` class,
     verl's synchronous rollout) or `api_server` (`vllm serve`)."""
     seed: int = 0
+    staleness_mode: str = "drop"
+    """As the job's `training.staleness_mode`, for the asynchronous policies: `drop` (the trainer
+    never waits; trajectories finishing too stale are dropped) or `wait` (it waits for
+    trajectories launched `max_staleness` versions ago; none is dropped)."""
 
     def __post_init__(self) -> None:
+        if self.staleness_mode not in STALENESS_MODES:
+            raise ValueError(
+                f"sim.staleness_mode must be one of {STALENESS_MODES}, got {self.staleness_mode!r}"
+            )
         if self.profile not in PROFILES:
             raise ValueError(f"sim.profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
         if self.num_nodes < 1:

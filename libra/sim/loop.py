@@ -319,16 +319,27 @@ class AsyncRun(PolicyRun):
         while self.gate.capacity() >= g:
             self.gate.try_start(g)
             for trace in self._draw_group():
-                self.cluster.start(trace)
+                self.cluster.start(trace, tag=self.gate.version)  # the version it was launched at
             self.started += g
 
     def handle_finish(self, traj: LiveTrajectory) -> None:
         self.buffer.append(traj)
         self._maybe_train()
 
+    def _waits_for_tail(self) -> bool:
+        """`wait` mode: a trajectory still running was launched so long ago that the next step
+        would leave it too stale, so the step waits for it (as the job does)."""
+        if self.config.staleness_mode != "wait":
+            return False
+        return any(self.gate.must_train(t.tag) for t in self.cluster.live.values())
+
     def _take_fresh(self) -> list[LiveTrajectory] | None:
         """The first `global_batch` finished trajectories the gate admits at the trainer's
-        version; stale ones are dropped (their slots return to rollout)."""
+        version (in `wait` mode those this step must train on first); stale ones are dropped
+        (their slots return to rollout)."""
+        if self.config.staleness_mode == "wait":
+            due = [t for t in self.buffer if self.gate.must_train(t.tag)]
+            self.buffer = deque(due + [t for t in self.buffer if not self.gate.must_train(t.tag)])
         while len(self.buffer) >= self.batch.global_batch:
             head = self.buffer[0]
             if self.gate.admit([head.oldest_version])[0]:
@@ -359,6 +370,8 @@ class AsyncRun(PolicyRun):
         if now < self.trainer_free_at:
             self.cluster.schedule(self.trainer_free_at, self._maybe_train)
             return
+        if self._waits_for_tail():
+            return  # its finish calls back
         batch = self._take_fresh()
         self._start_groups()
         if batch is None:

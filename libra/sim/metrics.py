@@ -88,8 +88,15 @@ class SimResult:
         return self.trajectories / self.makespan_s
 
     @property
-    def tokens_per_s(self) -> float:
+    def trained_tokens_per_s(self) -> float:
+        """Model tokens of the trajectories trained on per second: the throughput a run turns
+        into training (a dropped trajectory's tokens count for nothing)."""
         return self.output_tokens / self.makespan_s
+
+    @property
+    def dropped_share(self) -> float:
+        """Finished trajectories dropped (too stale), out of those finished and taken or dropped."""
+        return self.dropped / max(self.trajectories + self.dropped, 1)
 
     @property
     def step_s(self) -> float:

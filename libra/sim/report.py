@@ -11,8 +11,8 @@ from libra.sim.runner import Comparison
 def comparison_table(comparison: Comparison) -> str:
     """One row per policy: throughput, step time and its breakdown, idle shares, tail, staleness."""
     rows = [
-        "| policy | traj/s | tok/s | step s | train s | wait s | stall s | ideal s | step/ideal "
-        "| idle train | idle rollout | tail share | staleness mean/max | dropped | migrations/turn "
+        "| policy | trained tok/s | traj/s | step s | train s | wait s | stall s | ideal s | step/ideal "
+        "| idle train | idle rollout | tail share | staleness mean/max | dropped (share) | migrations/turn "
         "| plans applied |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -20,11 +20,11 @@ def comparison_table(comparison: Comparison) -> str:
         b = r.breakdown()
         mean_stale = sum(r.staleness) / len(r.staleness) if r.staleness else 0.0
         rows.append(
-            f"| {name} | {r.trajectories_per_s:.3f} | {r.tokens_per_s:.0f} | {r.step_s:.1f} "
+            f"| {name} | {r.trained_tokens_per_s:.0f} | {r.trajectories_per_s:.3f} | {r.step_s:.1f} "
             f"| {b['train_s']:.1f} | {b['wait_s']:.1f} | {b['stall_s']:.1f} | {r.ideal_step_s:.1f} "
             f"| {r.step_s / r.ideal_step_s:.2f} "
             f"| {r.idle_share('train'):.0%} | {r.idle_share('rollout'):.0%} | {r.tail_share:.0%} "
-            f"| {mean_stale:.2f}/{max(r.staleness, default=0)} | {r.dropped} "
+            f"| {mean_stale:.2f}/{max(r.staleness, default=0)} | {r.dropped} ({r.dropped_share:.1%}) "
             f"| {r.migrations / max(r.turns, 1):.1%} | {r.plans_applied} |"
         )
     return "\n".join(rows)
@@ -36,16 +36,18 @@ def speedup_lines(comparison: Comparison, reference: str = "libra") -> list[str]
     lines = []
     for other in (*BASELINES, *ABLATIONS):
         if other in comparison.results:
-            lines.append(f"- {reference} / {other}: {comparison.speedup(reference, other):.2f}x throughput")
+            lines.append(
+                f"- {reference} / {other}: {comparison.speedup(reference, other):.2f}x trained tokens/s"
+            )
     cmlfq, least_load = HETEROGENEOUS_ABLATION
     if least_load in comparison.results:  # the other policy in the table; it can beat full Libra
         lines.append(
-            f"- {reference} / {least_load}: {comparison.speedup(reference, least_load):.2f}x throughput"
+            f"- {reference} / {least_load}: {comparison.speedup(reference, least_load):.2f}x trained tokens/s"
         )
     if cmlfq in comparison.results and least_load in comparison.results:
         lines.append(
             f"- on the fixed heterogeneous layout, C-MLFQ / least-load ({cmlfq} / {least_load}): "
-            f"{comparison.speedup(cmlfq, least_load):.2f}x throughput"
+            f"{comparison.speedup(cmlfq, least_load):.2f}x trained tokens/s"
         )
     r = comparison.results[reference]
     lines.append(
@@ -105,8 +107,8 @@ def write_plots(comparison: Comparison, out_dir: Path) -> list[str]:
     paths = []
 
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.bar(names, [r.trajectories_per_s for r in results], color="tab:blue")
-    ax.set_ylabel("trajectories / s")
+    ax.bar(names, [r.trained_tokens_per_s for r in results], color="tab:blue")
+    ax.set_ylabel("trained tokens / s")
     ax.set_title(f"{comparison.config.name}: throughput")
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()

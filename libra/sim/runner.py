@@ -25,7 +25,8 @@ class Comparison:
     results: dict[str, SimResult] = field(default_factory=dict)
 
     def speedup(self, policy: str, over: str) -> float:
-        return self.results[policy].trajectories_per_s / self.results[over].trajectories_per_s
+        """`policy`'s trained tokens/s over `over`'s."""
+        return self.results[policy].trained_tokens_per_s / self.results[over].trained_tokens_per_s
 
 
 def run_comparison(config: SimConfig, log=print) -> Comparison:
@@ -45,7 +46,9 @@ def run_comparison(config: SimConfig, log=print) -> Comparison:
         result = simulate(config, policy, build_layout(config, policy, history, plan), history)
         comparison.results[name] = result
         log(
-            f"{config.name}: {name}: {result.trajectories_per_s:.3f} traj/s, step {result.step_s:.1f} s "
+            f"{config.name}: {name}: {result.trained_tokens_per_s:.0f} trained tok/s "
+            f"({result.trajectories_per_s:.3f} traj/s, {result.dropped_share:.1%} dropped), "
+            f"step {result.step_s:.1f} s "
             f"(simulated in {result.wall_s:.1f} s)"
         )
     return comparison

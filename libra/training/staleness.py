@@ -79,12 +79,31 @@ class StalenessGate:
         """Decides each finished trajectory; rejected ones free their slots (counted dropped).
         Trajectories beyond those in flight were started without a slot (outside the gate): they
         are counted as started on arrival, so the counters stay consistent."""
-        unaccounted = len(oldest_versions) - self.state.num_in_flight
-        if unaccounted > 0:
-            self.state.num_started += unaccounted
+        self._arrive(len(oldest_versions))
         decisions = [self.is_fresh(v) for v in oldest_versions]
         self.state.num_dropped += decisions.count(False)
         return decisions
+
+    def admit_group(self, oldest_versions: list[int | None]) -> bool:
+        """Admits a group's trajectories together, or drops them together (freeing their slots):
+        GRPO normalises rewards within a group, and the part of a group left after its stale
+        members were dropped would bias its advantages."""
+        self._arrive(len(oldest_versions))
+        fresh = all(self.is_fresh(v) for v in oldest_versions)
+        if not fresh:
+            self.state.num_dropped += len(oldest_versions)
+        return fresh
+
+    def _arrive(self, count: int) -> None:
+        unaccounted = count - self.state.num_in_flight
+        if unaccounted > 0:
+            self.state.num_started += unaccounted
+
+    def must_train(self, started_version: int) -> bool:
+        """Whether a group launched when the trainer was at `started_version` must be in the next
+        step's batch: after that step its tokens (none older than that version) would be past
+        `max_staleness`."""
+        return started_version <= self.state.version - self.max_staleness
 
     def arrived_unstarted(self, count: int) -> None:
         """Counts trajectories that arrived without a slot of their own (the extra segments of an

@@ -124,6 +124,7 @@ def test_report_from_run_folder(tmp_path):
                 num_dropped_stale=0,
                 generated_tokens=500,
                 rollout_tokens_per_s=100.0 + step,
+                trained_tokens_per_s=50.0,
                 step_time_s=10.0,
                 train_time_s=2.0,
                 publish_time_s=0.1,

@@ -160,6 +160,12 @@ def test_the_gpu_configs_are_real_cluster_configs():
         ("search_r1", "tasks.qa_metric=bleu", "tasks.qa_metric must be em or f1"),
         ("qwen3_14b_r2e", "training.grpo.loss_aggregation=sum", "must be token_mean or sequence_mean"),
         ("qwen25_7b_dapo", "rollout.agent.temperature=0.7", "must equal rollout.agent.temperature"),
+        (
+            "qwen3_4b_r2e",
+            "training.staleness_mode=never",
+            "training.staleness_mode must be one of ('wait', 'drop')",
+        ),
+        ("qwen3_4b_r2e", "endpoint.agent=no_colon", "endpoint.agent must be 'package.module:function'"),
     ],
 )
 def test_a_bad_value_names_the_field_and_the_allowed_values(name, override, message):

@@ -70,6 +70,20 @@ def test_async_policies_respect_their_staleness_bound(comparison):
         assert max(comparison.results[name].staleness) <= bound, name
 
 
+def test_waiting_for_the_tail_keeps_every_finished_trajectory():
+    """`wait`: the trainer waits for trajectories launched max_staleness versions ago, so none
+    is dropped and the bound holds; `drop` never waits and drops the tail (the long ones)."""
+    results = {
+        mode: run_comparison(
+            tiny_config(num_steps=8, staleness_mode=mode, policies=("libra",)), log=lambda line: None
+        ).results["libra"]
+        for mode in ("wait", "drop")
+    }
+    bound = tiny_config().batch.max_staleness
+    assert results["wait"].dropped_share <= 0.02 and max(results["wait"].staleness) <= bound
+    assert results["drop"].dropped > 0 and max(results["drop"].staleness) <= bound
+
+
 def test_tail_batching_aborts_the_tail_and_reruns_it():
     config = tiny_config(num_steps=8, policies=("tail_batching",))
     r = run_comparison(config, log=lambda line: None).results["tail_batching"]

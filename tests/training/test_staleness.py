@@ -16,6 +16,26 @@ def test_admits_within_max_staleness_by_oldest_version():
     assert gate.state.num_dropped == 1
 
 
+def test_a_group_is_admitted_or_dropped_whole():
+    gate = StalenessGate(max_staleness=1, batch_size=4)
+    assert gate.try_start(8) == 8
+    for _ in range(2):
+        gate.on_train_step(0)
+    assert gate.admit_group([2, 1, None, 1]) is True
+    assert gate.admit_group([2, 0, 2, 2]) is False  # one member too old: none of the group is trained
+    assert gate.state.num_dropped == 4 and gate.state.num_in_flight == 4  # dropped slots are free again
+
+
+def test_which_groups_a_step_must_train_on():
+    """With max_staleness s, a group launched at version v must be trained at version v + s at the
+    latest: after that step its oldest tokens (none older than v) would be s + 1 behind."""
+    gate = StalenessGate(max_staleness=1, batch_size=4)
+    for _ in range(3):
+        gate.on_train_step(0)
+    assert [gate.must_train(v) for v in range(4)] == [True, True, True, False]
+    assert StalenessGate(max_staleness=0, batch_size=4).must_train(0)
+
+
 def test_version_ahead_of_trainer_is_an_error():
     gate = StalenessGate(max_staleness=1, batch_size=4)
     with pytest.raises(ValueError, match="ahead"):
