@@ -71,6 +71,11 @@ class LibraConfig:
                 f"training.grpo.temperature ({scoring}) must equal rollout.agent.temperature ({sampling}): "
                 "the trainer must score tokens under the distribution they were sampled from"
             )
+        if self.tasks.environment and self.endpoint.agent:
+            raise ValueError(
+                "tasks.environment and endpoint.agent both answer the model's turns: set one "
+                f"(got {self.tasks.environment!r} and {self.endpoint.agent!r})"
+            )
         if self.tasks.dataset_path is not None and not self.job.model:
             raise ValueError(
                 "tasks.dataset_path needs job.model, the HF model folder of the policy to train (the "

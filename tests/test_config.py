@@ -94,3 +94,9 @@ def test_fields_that_go_together_can_be_overridden_together():
         ValueError, match="control.tls_cert_file and control.tls_key_file must be set together"
     ):
         load_config(None, ["control.tls_cert_file=/c.pem"])
+
+
+def test_an_environment_and_an_agent_cannot_both_answer_turns():
+    overrides = ["tasks.environment=examples.custom_environment:MathWithFeedback", "endpoint.agent=a.b:agent"]
+    with pytest.raises(ValueError, match="tasks.environment and endpoint.agent both answer"):
+        load_config(None, overrides)

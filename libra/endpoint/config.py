@@ -22,11 +22,16 @@ class EndpointConfig:
     served_model_name: str = "libra-policy"
     """The model name `/v1/models` lists and responses carry (requests may name any model)."""
     max_sessions: int = 4096
-    """Sessions held at once; a request opening one more is refused (HTTP 429)."""
+    """Sessions of outside clients held at once; a request opening one more is refused (HTTP 429).
+    The job's own sessions are bounded by its staleness gate."""
     session_idle_s: float = 900.0
     """A session the job did not open is closed after this long without a call."""
     max_n: int = 16
     """Largest `n` (choices per request)."""
+    agent_timeout_s: float = 3600.0
+    """An agent still running after this long is given up (its trajectory ends as an error):
+    the steps that wait for its group (`training.staleness_mode=wait`) and its gate slots are
+    not held forever."""
 
     def __post_init__(self) -> None:
         if self.agent and self.agent.count(":") != 1:
@@ -38,8 +43,9 @@ class EndpointConfig:
         for name in ("max_sessions", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"endpoint.{name} must be >= 1, got {getattr(self, name)}")
-        if self.session_idle_s <= 0:
-            raise ValueError(f"endpoint.session_idle_s must be > 0, got {self.session_idle_s}")
+        for name in ("session_idle_s", "agent_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"endpoint.{name} must be > 0, got {getattr(self, name)}")
 
     @property
     def enabled(self) -> bool:

@@ -7,8 +7,9 @@ its new messages are rendered as a *continuation* and appended after the sampled
 continuation is what the template writes after an assistant turn: the rest of the turn's closing
 markup (`<|im_end|>\\n` after `</tool_call>`, `\\n` after an `<|im_end|>` the model sampled),
 then the new messages, then the generation prompt. It is derived from the template itself, with a
-probe conversation, so any template that renders a conversation as the concatenation of its
-turns works; one that does not is refused at the first continuation with a message saying so.
+probe conversation, so any template that renders the messages after an assistant turn
+independently of what came before works (Qwen's drop of earlier reasoning included); one that
+does not is refused at the first continuation with a message saying so.
 
 Messages are compared (to tell a continuation from a rewritten history) in a canonical form:
 role, text, tool calls with parsed arguments, tool-call id and name.
@@ -27,7 +28,6 @@ from libra.rollout.types import FinishReason
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _PROBE_USER, _PROBE_ASSISTANT = "LIBRA-PROBE-USER", "LIBRA-PROBE-ASSISTANT"
-_CLOSED_CACHE_SIZE = 64
 
 
 class RequestError(ValueError):
@@ -207,9 +207,6 @@ class ChatRenderer:
         """What the template writes after an assistant turn's content (`<|im_end|>\\n`), less
         the stop token the turn ended with when the template writes that token too."""
         self._full_closing = closing
-        self._closed_by_tools: dict[str, str] = {}
-        """The probe conversation rendered closed, per tool list (a small cache: agents of a
-        run use a handful of tool lists)."""
 
     def _render(self, messages: Sequence[Message], tools: Sequence[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -234,19 +231,18 @@ class ChatRenderer:
         # A stop token the model sampled may be the start of the closing markup (`<|im_end|>`);
         # any other last token (a turn cut by length) leaves the whole closing to write.
         closing = self._closing.get(last_token, self._full_closing)
-        key = tools_key(tools)
-        closed = self._closed_by_tools.get(key)
-        if closed is None:
-            closed = self._render(self._probe, tools, generation_prompt=False)
-            if len(self._closed_by_tools) < _CLOSED_CACHE_SIZE:
-                self._closed_by_tools[key] = closed
+        # What follows the probe assistant's content and its closing in the conversation
+        # rendered with the new messages. (Located in that render itself: a template may render
+        # an assistant turn differently once it is no longer the last, as Qwen3's drops the
+        # empty think block.)
         extended = self._render([*self._probe, *new], tools, generation_prompt=True)
-        if not extended.startswith(closed):
+        after = extended.find(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT)
+        if after < len(_PROBE_ASSISTANT) or not extended.startswith(self._full_closing, after):
             raise RequestError(
-                "this model's chat template renders earlier turns differently once more messages "
-                "follow, so new messages cannot be appended to the sampled tokens exactly"
+                "this model's chat template closes an assistant turn differently once more "
+                "messages follow, so new messages cannot be appended to the sampled tokens exactly"
             )
-        return self._encode(closing + extended[len(closed) :])
+        return self._encode(closing + extended[after + len(self._full_closing) :])
 
     def reply(
         self, turn: Sequence[int], finish: FinishReason, stop: Sequence[str], parse_tools: bool

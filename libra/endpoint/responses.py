@@ -134,8 +134,8 @@ def completion_chunks(
 ) -> Iterator[dict[str, Any]]:
     body = completion(served, model, tokenizer, logprobs)
     for choice in body["choices"]:
-        yield {**body, "choices": [choice]}
-    yield {**body, "choices": [], **({} if include_usage else {"usage": None})}
+        yield {**body, "choices": [choice], "usage": None}
+    yield {**body, "choices": [], "usage": body["usage"] if include_usage else None}
 
 
 def models(model: str, created: int) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from aiohttp import web
 from libra.endpoint import responses
 from libra.endpoint.messages import RequestError
 from libra.endpoint.requests import parse_chat, parse_completion, session_of
-from libra.endpoint.service import EndpointService, Unavailable
+from libra.endpoint.service import EndpointService, SessionClosed, Unavailable
 from libra.endpoint.sessions import SessionLimit
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class OpenAIEndpoint:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port, ssl_context=self._ssl)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = self._runner.addresses[0][1]
         self.url = f"{'https' if self._ssl else 'http'}://{self._host}:{port}/v1"
         self._idle_task = asyncio.create_task(self._close_idle())
         logger.info("OpenAI-compatible endpoint at %s", self.url)
@@ -101,7 +101,11 @@ class OpenAIEndpoint:
     async def _close_idle(self) -> None:
         while True:
             await asyncio.sleep(min(_IDLE_CHECK_S, self.service.config.session_idle_s))
-            closed = await self.service.close_idle()
+            try:
+                closed = await self.service.close_idle()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                logger.exception("closing idle endpoint sessions failed")
+                continue
             if closed:
                 logger.info("closed %d idle endpoint sessions", closed)
 
@@ -127,6 +131,8 @@ class OpenAIEndpoint:
             return _error(str(e), "invalid_request_error", 400)
         except SessionLimit as e:
             return _error(str(e), "rate_limit_error", 429)
+        except SessionClosed as e:
+            return _error(str(e), "invalid_request_error", 404)
         except Unavailable as e:
             return _error(f"no rollout instance could take the turn: {e}", "service_unavailable", 503)
         except Exception as e:  # noqa: BLE001 - a failed call answers with an error, the server goes on

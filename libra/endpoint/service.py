@@ -10,6 +10,7 @@ instance hands it to another, and every token keeps the policy version that samp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -21,7 +22,7 @@ from libra.endpoint.messages import ChatRenderer, Message, Reply, RequestError, 
 from libra.endpoint.requests import ChatRequest, CompletionRequest, Sampling
 from libra.endpoint.sessions import Segment, Session, SessionStore
 from libra.rollout.agent_loop import AgentLoop, TrajectoryEnded
-from libra.rollout.types import SamplingSpec
+from libra.rollout.types import FinishReason, SamplingSpec
 from libra.trajectory import Outcome, ToolStatus
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,10 @@ CONTINUATION = "<continuation>"
 
 class Unavailable(Exception):
     """No rollout instance could take the turn (HTTP 503)."""
+
+
+class SessionClosed(Exception):
+    """The call's session was closed while the call waited for it (HTTP 404)."""
 
 
 @dataclass(frozen=True)
@@ -72,10 +77,11 @@ class EndpointService:
         if session is None:
             return []
         async with session.lock:
+            session.closed = True  # a call that was waiting for the lock finds it closed
             self.sessions.remove(session_id)
             for segment in session.segments:
                 self._end(segment)
-        return session.segments
+        return list(session.segments)
 
     def set_reward(self, session_id: str, reward: float) -> None:
         session = self.sessions.lookup(session_id)
@@ -100,79 +106,78 @@ class EndpointService:
 
     # -- calls -------------------------------------------------------------------------------------
 
-    async def chat(self, session_id: str, request: ChatRequest) -> Served:
+    @contextlib.asynccontextmanager
+    async def _held(self, session_id: str):
+        """The call's session, locked (one call of a session at a time); a one-call session,
+        closed after, when the call names none."""
         session = self.sessions.get(session_id) if session_id else self.sessions.ephemeral()
         try:
             async with session.lock:
-                spec = self._sampling(session, request.sampling)
-                key = tools_key(request.tools)
-                segment, reason = session.continued_chat(request.messages, key)
-                new_segment: str | None = reason
-                if segment is None:
-                    prompt = self.renderer.prompt_ids(request.messages, request.tools)
-                    segment = session.new_segment(prompt, list(request.messages), None, key, reason)
-                else:
-                    new = request.messages[len(segment.history) :]
-                    if not new:
-                        raise RequestError(
-                            "the messages add nothing after the session's last reply: send the next "
-                            "user or tool message"
-                        )
-                    last_token = segment.trajectory.token_ids[-1]
-                    appended = self.renderer.continuation_ids(last_token, new, request.tools)
-                    self._append(segment, appended, _tool_type(segment.history, new))
-                    new_segment = None
-                served, segments = await self._turns(
-                    session, segment, spec, request.sampling, request.parse_tools, new_segment
-                )
-                for segment_, choice in zip(segments, served.choices, strict=True):
-                    segment_.history = [*request.messages, choice.reply.message]
-                return served
+                if session.closed:
+                    raise SessionClosed(f"session {session_id!r} was closed")
+                yield session
         finally:
             if not session_id:
-                await self._close_ephemeral(session)
+                for segment in session.segments:
+                    self._end(segment)
+
+    async def chat(self, session_id: str, request: ChatRequest) -> Served:
+        async with self._held(session_id) as session:
+            spec = self._sampling(session, request.sampling)
+            key = tools_key(request.tools)
+            segment, reason = session.continued_chat(request.messages, key)
+            new_segment: str | None = reason
+            if segment is None:
+                prompt = self.renderer.prompt_ids(request.messages, request.tools)
+                segment = session.new_segment(prompt, list(request.messages), None, key, reason)
+            else:
+                new = request.messages[len(segment.history) :]
+                if not new:
+                    raise RequestError(
+                        "the messages add nothing after the session's last reply: send the next "
+                        "user or tool message"
+                    )
+                last_token = segment.trajectory.token_ids[-1]
+                appended = self.renderer.continuation_ids(last_token, new, request.tools)
+                self._append(segment, appended, _tool_type(segment.history, new))
+                new_segment = None
+            served, segments = await self._turns(
+                session, segment, spec, request.sampling, request.parse_tools, new_segment
+            )
+            for segment_, choice in zip(segments, served.choices, strict=True):
+                segment_.history = [*request.messages, choice.reply.message]
+            return served
 
     async def complete(self, session_id: str, request: CompletionRequest) -> Served:
-        session = self.sessions.get(session_id) if session_id else self.sessions.ephemeral()
         tokenizer = self.renderer.tokenizer
-        try:
-            async with session.lock:
-                spec = self._sampling(session, request.sampling)
-                prompt = request.prompt
-                segment, reason = session.continued_completion(prompt)
-                new_segment: str | None = reason
-                if segment is None:
-                    ids = (
-                        list(prompt)
-                        if isinstance(prompt, list)
-                        else tokenizer.encode(prompt, add_special_tokens=False)
-                    )
-                    text = prompt if isinstance(prompt, str) else None
-                    segment = session.new_segment(ids, None, text, "", reason)
-                else:
-                    held = segment.trajectory.token_ids
-                    appended = (
-                        list(prompt[len(held) :])
-                        if isinstance(prompt, list)
-                        else tokenizer.encode(prompt[len(segment.text) :], add_special_tokens=False)
-                    )
-                    if appended:
-                        self._append(segment, appended, CONTINUATION)
-                    new_segment = None
-                served, segments = await self._turns(
-                    session, segment, spec, request.sampling, False, new_segment
+        async with self._held(session_id) as session:
+            spec = self._sampling(session, request.sampling)
+            prompt = request.prompt
+            segment, reason = session.continued_completion(prompt)
+            new_segment: str | None = reason
+            if segment is None:
+                ids = (
+                    list(prompt)
+                    if isinstance(prompt, list)
+                    else tokenizer.encode(prompt, add_special_tokens=False)
                 )
-                if isinstance(prompt, str):  # forks hold the same prompt, each its own completion
-                    for segment_, choice in zip(segments, served.choices, strict=True):
-                        segment_.text = prompt + choice.reply.message.content
-                return served
-        finally:
-            if not session_id:
-                await self._close_ephemeral(session)
-
-    async def _close_ephemeral(self, session: Session) -> None:
-        for segment in session.segments:
-            self._end(segment)
+                text = prompt if isinstance(prompt, str) else None
+                segment = session.new_segment(ids, None, text, "", reason)
+            else:
+                held = segment.trajectory.token_ids
+                appended = (
+                    list(prompt[len(held) :])
+                    if isinstance(prompt, list)
+                    else tokenizer.encode(prompt[len(segment.text) :], add_special_tokens=False)
+                )
+                if appended:
+                    self._append(segment, appended, CONTINUATION)
+                new_segment = None
+            served, segments = await self._turns(session, segment, spec, request.sampling, False, new_segment)
+            if isinstance(prompt, str):  # forks hold the same prompt, each its own completion
+                for segment_, choice in zip(segments, served.choices, strict=True):
+                    segment_.text = prompt + choice.reply.message.content
+            return served
 
     def _sampling(self, session: Session, asked: Sampling) -> SamplingSpec:
         """The call's sampling. A trained session samples at the job's temperature and top-p (the
@@ -202,8 +207,8 @@ class EndpointService:
     def _append(self, segment: Segment, token_ids: list[int], tool_type: str) -> None:
         """New messages' tokens after the last turn (loss mask 0): a tool return the router
         hears of before the next turn."""
-        if tool_type not in (USER_TURN, CONTINUATION) and segment.last_reply_at:
-            segment.tool_latencies.append(time.monotonic() - segment.last_reply_at)
+        waited = tool_type not in (USER_TURN, CONTINUATION) and segment.last_reply_at
+        segment.tool_latencies.append(time.monotonic() - segment.last_reply_at if waited else 0.0)
         segment.pending_state = self.loop.append_tool_return(
             segment.trajectory, tool_type, ToolStatus.SUCCESS, token_ids
         )
@@ -226,29 +231,41 @@ class EndpointService:
             for i in range(len(segments))
         ]
         choices = await asyncio.gather(
-            *(self._turn(s, spec_, asked.stop, parse_tools) for s, spec_ in zip(segments, specs, strict=True))
+            *(
+                self._turn(s, spec_, asked.stop, parse_tools)
+                for s, spec_ in zip(segments, specs, strict=True)
+            ),
+            return_exceptions=True,
         )
+        failed = [c for c in choices if isinstance(c, BaseException)]
+        if failed:
+            # The call's other choices hold its messages and a reply the client never gets: a
+            # retry must not continue them.
+            for other in segments:
+                if other.trajectory.outcome == Outcome.RUNNING:
+                    other.trajectory.outcome = Outcome.ERROR
+                    other.trajectory.outcome_reason = f"another choice of its call failed: {failed[0]}"
+            raise failed[0]
         return Served(session.session_id, list(choices), prompt_tokens, new_segment), segments
 
     async def _turn(
         self, segment: Segment, spec: SamplingSpec, stop: Sequence[str], parse_tools: bool
     ) -> Choice:
         trajectory = segment.trajectory
-        router = self.loop.router
-        if not segment.admitted:
-            segment.instance_id = router.admit(trajectory.trajectory_id, trajectory.prompt_id).instance_id
-            segment.admitted = True
-        elif segment.pending_state is not None:
-            segment.instance_id = self.loop.on_tool_return(trajectory, segment.pending_state)
-        segment.pending_state = None
         start = len(trajectory.response_token_ids)
         try:
+            if not segment.admitted:
+                decision = self.loop.router.admit(trajectory.trajectory_id, trajectory.prompt_id)
+                segment.instance_id, segment.admitted = decision.instance_id, True
+            elif segment.pending_state is not None:
+                segment.instance_id = self.loop.on_tool_return(trajectory, segment.pending_state)
+            segment.pending_state = None
             segment.instance_id, finish = await self.loop.model_turn(trajectory, segment.instance_id, spec)
-        except TrajectoryEnded as end:
+        except TrajectoryEnded as end:  # the window or the budget filled: the reply is cut
             trajectory.outcome, trajectory.outcome_reason = end.outcome, end.reason
             if end.outcome in (Outcome.ABORTED, Outcome.NO_INSTANCE):
                 raise Unavailable(end.reason) from None
-            finish = None
+            finish = FinishReason.LENGTH
         except BaseException as e:
             # The segment holds this call's new messages but no reply: a retry must start a new
             # segment, not append them twice.

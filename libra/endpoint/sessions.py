@@ -67,6 +67,7 @@ class Session:
     """Set through the reward call (`/v1/libra/sessions/{id}/reward`)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """One call at a time: concurrent calls of one session would race on its segments."""
+    closed: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
     def new_segment(
@@ -152,14 +153,17 @@ class SessionStore:
 
     def __init__(self, max_sessions: int, idle_s: float):
         self.max_sessions = max_sessions
+        """Sessions of outside clients held at once (the job's are bounded by its gate)."""
         self.idle_s = idle_s
         self._sessions: dict[str, Session] = {}
+        self._outside = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def open(self, session_id: str, prompt_id: str, group_id: str) -> Session:
-        """A session the job runs an agent in (trained on when closed)."""
+        """A session the job runs an agent in (trained on when closed); ValueError when a
+        session of that id is open (an outside client's, say)."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
         return self._add(Session(session_id, prompt_id, group_id, trained=True))
@@ -180,14 +184,22 @@ class SessionStore:
         return self._sessions.get(session_id)
 
     def _add(self, session: Session) -> Session:
-        if len(self._sessions) >= self.max_sessions:
-            raise SessionLimit(f"the endpoint holds {self.max_sessions} sessions (endpoint.max_sessions)")
+        if not session.trained:
+            if self._outside >= self.max_sessions:
+                held = self.max_sessions
+                raise SessionLimit(
+                    f"the endpoint holds {held} sessions of outside clients (endpoint.max_sessions)"
+                )
+            self._outside += 1
         session.prompt_id = session.prompt_id or session.session_id
         self._sessions[session.session_id] = session
         return session
 
     def remove(self, session_id: str) -> Session | None:
-        return self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None and not session.trained:
+            self._outside -= 1
+        return session
 
     def idle(self) -> list[Session]:
         """Untrained sessions without a call for `idle_s` (the job closes its own)."""

@@ -10,12 +10,13 @@ The agent is an async function written against any OpenAI client:
 
 For each trajectory of a group the job opens a session, awaits the agent, and closes the
 session: its segments (one, or more if the agent rewrote its history) are the trajectories
-trained on, every one with the session's reward. An agent that raises ends its segments as
-ERROR with the exception named; the job goes on.
+trained on, every one with the session's reward. An agent that raises or runs past
+`endpoint.agent_timeout_s` ends its segments as ERROR with the reason named; the job goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Mapping
@@ -73,13 +74,19 @@ class AgentRunner:
         self.service, self.url, self.token, self.tools = service, url, token, dict(tools)
 
     async def run(self, task: TaskRecord, session_id: str, prompt_id: str, group_id: str) -> AgentRun:
-        self.service.open_session(session_id, prompt_id, group_id)
+        try:
+            self.service.open_session(session_id, prompt_id, group_id)
+        except ValueError as e:  # an outside client holds the id: this trajectory is lost, not the job
+            logger.warning("agent session %s not opened: %s", session_id, e)
+            return AgentRun([], None)
         context = AgentContext(
             self.url, self.token, session_id, task, self.service.config.served_model_name, self.tools
         )
         returned, failure = None, ""
+        timeout_s = self.service.config.agent_timeout_s
         try:
-            returned = await self.agent(context)
+            async with asyncio.timeout(timeout_s):
+                returned = await self.agent(context)
             if returned is not None and (
                 isinstance(returned, bool)
                 or not isinstance(returned, (int, float))
@@ -88,6 +95,9 @@ class AgentRunner:
                 raise TypeError(
                     f"it returned {returned!r}; an agent returns its reward (a finite number) or None"
                 )
+        except TimeoutError:
+            failure = f"the agent {self.spec} ran past endpoint.agent_timeout_s={timeout_s}"
+            logger.warning("session %s: %s", session_id, failure)
         except Exception as e:  # noqa: BLE001 - a failing agent ends its trajectory, not the job
             logger.warning("agent %s raised in session %s: %s", self.spec, session_id, e, exc_info=True)
             failure = f"the agent {self.spec} raised {type(e).__name__}: {e}"

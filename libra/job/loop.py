@@ -89,8 +89,8 @@ class GrpoJob:
         self.finished: dict[int, Group] = {}
         self.unfinished: dict[int, int] = {}
         """Group index -> task index of every group launched and not yet taken into a batch."""
-        self.launched_at: dict[int, int] = {}
-        """Group index -> the trainer's version when it was launched (groups in flight)."""
+        self.launched: dict[int, Group] = {}
+        """Group index -> the groups in flight (when each was launched: `started_version`)."""
         self._relaunch: list[tuple[int, int]] = []
         """(group index, task index) of the unfinished groups of the checkpoint resumed from."""
         self.steps: list[StepMetrics] = []
@@ -207,7 +207,7 @@ class GrpoJob:
                     stats = await asyncio.to_thread(self.workers.train_ranks.client.train_step, batch)
                 finally:
                     self.workers.train_ranks.busy = False
-            self.gate.on_train_step(len(batch))
+            self.gate.on_train_step(self._batch_slots)
             if stats.version != self.gate.version:
                 raise RuntimeError(f"trainer is at version {stats.version}, the job at {self.gate.version}")
             publish_started = time.monotonic()
@@ -329,59 +329,54 @@ class GrpoJob:
                 index = self.stream.position
                 task_index, task = self.stream.next()
             self.unfinished[index] = task_index
-            self.launched_at[index] = self.gate.version
-            group = Group(index, task_index, self.gate.version)
+            group = self.launched[index] = Group(index, task_index, self.gate.version)
             self.in_flight[index] = asyncio.create_task(self.rollout.run(group, task))
 
     async def _next_batch(self) -> list[Trajectory]:
-        """The oldest finished groups, until a batch is full; empty trajectories and (whole)
-        stale groups are dropped (their gate slots freed) and replaced by newer ones. In `wait`
-        mode the batch waits for every group that would be too stale after this step, so none
-        is (`training.staleness_mode`)."""
+        """The oldest finished groups, `job.prompts_per_step` of them; a group without a trained
+        token or (whole) too stale is dropped (its gate slots freed) and replaced by a newer one.
+        A group holds `group_size` gate slots whatever it brings back (an agent's session may
+        bring several segments, a trajectory may hold no model token), so the gate counts groups
+        and the trainer gets every trajectory of the groups taken. In `wait` mode the batch waits
+        for every group that would be too stale after this step (`training.staleness_mode`)."""
         batch: list[Trajectory] = []
-        self._last_dropped = 0
-        while len(batch) < self.job.batch_size:
+        self._last_dropped = self._batch_slots = 0
+        slots = self.job.group_size
+        while self._batch_slots < self.job.batch_size:
             await self._collect_finished()
-            while self.finished and len(batch) < self.job.batch_size:
+            while self.finished and self._batch_slots < self.job.batch_size:
                 group = self.finished.pop(min(self.finished))
                 del self.unfinished[group.index]
                 self.recorder.group(group)
                 if self.planning is not None:
                     self.planning.record(group.traces)
                 self.num_rolled_out += len(group.trajectories)
-                self._account(group)
                 usable = [t for t in group.trajectories if t.num_generated_tokens > 0]
-                self.gate.drop(len(group.trajectories) - len(usable))
-                if self.gate.admit_group([t.oldest_policy_version for t in usable]):
+                if not usable:
+                    self.gate.drop(slots)  # nothing to train on
+                elif self.gate.admit_group([t.oldest_policy_version for t in usable], slots):
                     batch += usable
+                    self._batch_slots += slots
                 else:
                     self._last_dropped += len(usable)
-            self._launch_groups()  # dropped trajectories returned slots
+            self._launch_groups()  # dropped groups returned slots
         return batch
-
-    def _account(self, group: Group) -> None:
-        """A group holds `group_size` gate slots, but an agent's session may bring several
-        segments (a rewritten history) or none (an agent that never called): the surplus counts
-        as started on arrival, the shortfall as dropped, so the gate's counters stay whole."""
-        surplus = len(group.trajectories) - self.job.group_size
-        if surplus > 0:
-            self.gate.arrived_unstarted(surplus)
-        elif surplus < 0:
-            self.gate.drop(-surplus)
 
     async def _collect_finished(self) -> None:
         """Waits until at least one group has finished, and in `wait` mode every group this step
         must train on (`StalenessGate.must_train`); moves every finished one over. The groups it
         waits for are the oldest, so the batch takes them first."""
         if self.config.training.staleness_mode == "wait":
-            due = [t for i, t in self.in_flight.items() if self.gate.must_train(self.launched_at[i])]
+            due = [
+                t for i, t in self.in_flight.items() if self.gate.must_train(self.launched[i].started_version)
+            ]
             if due:
                 await asyncio.wait(due)
         if not any(t.done() for t in self.in_flight.values()):
             await asyncio.wait(self.in_flight.values(), return_when=asyncio.FIRST_COMPLETED)
         for index in [i for i, t in self.in_flight.items() if t.done()]:
             self.finished[index] = self.in_flight.pop(index).result()
-            del self.launched_at[index]
+            del self.launched[index]
 
     # -- checkpoints ---------------------------------------------------------------------------
 

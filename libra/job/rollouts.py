@@ -152,7 +152,8 @@ class GroupRollout:
         import asyncio
 
         group.started_at = time.monotonic()
-        prompt = self.chat.prompt_ids(task.chat_messages())
+        # An agent renders its own prompt through the endpoint.
+        prompt = self.chat.prompt_ids(task.chat_messages()) if self.agent is None else []
         slots = [asyncio.create_task(self._slot(group, i, task, prompt)) for i in range(self.group_size)]
         for results in await asyncio.gather(*slots):
             for trajectory, trace in results:

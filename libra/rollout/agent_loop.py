@@ -198,6 +198,9 @@ class AgentLoop:
         turn_start = len(trajectory.response_token_ids)
         failures = 0
         while True:
+            if len(trajectory.response_token_ids) - turn_start >= sampling.max_tokens:
+                trajectory.num_turns += 1  # interrupted right at the cap: the turn is cut there
+                return instance_id, FinishReason.LENGTH
             if instance_id is None or self.pool.get(instance_id).lost:
                 instance_id = await self._reroute(trajectory.trajectory_id)
             segment, max_tokens = await self._generate(trajectory, instance_id, sampling, turn_start)
@@ -255,7 +258,7 @@ class AgentLoop:
                 f"context of {len(context)} tokens leaves no room in max_model_len={pooled.max_model_len}",
             )
         turn_left = sampling.max_tokens - (len(trajectory.response_token_ids) - turn_start)
-        sampling = dataclasses.replace(sampling, max_tokens=min(budget, room, max(turn_left, 1)))
+        sampling = dataclasses.replace(sampling, max_tokens=min(budget, room, turn_left))
         request_id = f"{trajectory.trajectory_id}.{next(self._request_seq)}"
         try:
             segment = await pooled.client.generate(

@@ -84,14 +84,16 @@ class StalenessGate:
         self.state.num_dropped += decisions.count(False)
         return decisions
 
-    def admit_group(self, oldest_versions: list[int | None]) -> bool:
-        """Admits a group's trajectories together, or drops them together (freeing their slots):
-        GRPO normalises rewards within a group, and the part of a group left after its stale
-        members were dropped would bias its advantages."""
-        self._arrive(len(oldest_versions))
+    def admit_group(self, oldest_versions: list[int | None], slots: int) -> bool:
+        """Admits a group's trajectories together, or drops them together (freeing the `slots`
+        it was started with, whatever number of trajectories it brought back): GRPO normalises
+        rewards within a group, and the part of a group left after its stale members were
+        dropped would bias its advantages. An admitted group's slots are consumed by the train
+        step (`on_train_step`)."""
+        self._arrive(slots)
         fresh = all(self.is_fresh(v) for v in oldest_versions)
         if not fresh:
-            self.state.num_dropped += len(oldest_versions)
+            self.state.num_dropped += slots
         return fresh
 
     def _arrive(self, count: int) -> None:
@@ -104,11 +106,6 @@ class StalenessGate:
         step's batch: after that step its tokens (none older than that version) would be past
         `max_staleness`."""
         return started_version <= self.state.version - self.max_staleness
-
-    def arrived_unstarted(self, count: int) -> None:
-        """Counts trajectories that arrived without a slot of their own (the extra segments of an
-        agent's session) as started, so that admitting or dropping them balances."""
-        self.state.num_started += count
 
     def drop(self, count: int) -> None:
         """Frees slots of trajectories discarded for another reason (e.g. dynamic sampling)."""

@@ -62,6 +62,35 @@ def test_a_continued_conversation_is_the_conversation_rendered_whole(renderer, t
         assert tokens == whole
 
 
+# Qwen3's way: the last assistant message gets an empty think block, an earlier one does not.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.last %}<think>\n\n</think>\n\n{% endif %}{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_renders_the_last_assistant_turn_apart_still_continues(tokenizer):
+    import copy
+
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = THINKING_TEMPLATE
+    renderer = ChatRenderer(ChatFormat(thinking))
+    user = Message("user", "What is 12+7?")
+    call = ToolCall("c1", "calculator", json.dumps({"expression": "12+7"}))
+    result = Message("tool", "19", tool_call_id="c1")
+    tokens = renderer.prompt_ids([user], ()) + _encode(thinking, CALL_TEXT)
+    tokens += renderer.continuation_ids(tokens[-1], [result], ())
+    assert tokens == renderer.prompt_ids([user, Message("assistant", "", (call,)), result], ())
+
+
 def test_a_tool_result_is_what_the_built_in_loop_appends(renderer, tokenizer):
     chat = renderer.chat
     after_call = _encode(tokenizer, CALL_TEXT)[-1]
@@ -210,9 +239,13 @@ def test_forks_and_the_session_limit():
     twin = session.fork(session.segments[0])
     assert twin.trajectory.trajectory_id == "s.1" and twin.trajectory.prompt_token_ids == [1, 2]
     assert twin.trajectory is not session.segments[0].trajectory and not twin.admitted
+    # The limit holds outside clients' sessions; the job's own are bounded by its gate.
     store = SessionStore(max_sessions=1, idle_s=60)
-    store.open("a", "p", "g")
+    store.open("job", "p", "g")
+    store.get("outside")
     with pytest.raises(SessionLimit, match="endpoint.max_sessions"):
-        store.get("b")
+        store.get("another")
     with pytest.raises(ValueError, match="already open"):
-        store.open("a", "p", "g")
+        store.open("outside", "p", "g")  # an outside client named it first: the job's open fails
+    store.remove("outside")
+    assert store.get("another").trained is False

@@ -21,9 +21,11 @@ def test_a_group_is_admitted_or_dropped_whole():
     assert gate.try_start(8) == 8
     for _ in range(2):
         gate.on_train_step(0)
-    assert gate.admit_group([2, 1, None, 1]) is True
-    assert gate.admit_group([2, 0, 2, 2]) is False  # one member too old: none of the group is trained
-    assert gate.state.num_dropped == 4 and gate.state.num_in_flight == 4  # dropped slots are free again
+    assert gate.admit_group([2, 1, None, 1], slots=4) is True
+    assert gate.admit_group([2, 0, 2], slots=4) is False  # one member too old: none of it is trained
+    assert gate.state.num_dropped == 4 and gate.state.num_in_flight == 4  # its slots are free again
+    gate.on_train_step(4)  # the admitted group's slots, however many trajectories it held
+    assert gate.state.num_in_flight == 0
 
 
 def test_which_groups_a_step_must_train_on():
