@@ -54,6 +54,9 @@ def agent_run(tmp_path_factory):
         "job.eval_tasks=0",
         "job.planner=false",
         "training.max_staleness=0",  # step 2 rolls out on the weights step 1 published
+        # With max_staleness 0 every group in flight is due before each step: the loop's waiting
+        # path runs every step (and, the bound being 0, nothing could be dropped anyway).
+        "training.staleness_mode=wait",
     ]
     result = run_driven_job(run_dir, overrides, _outside_client, driver)
     return run_dir, result, driver
