@@ -12,6 +12,9 @@ def sim_config() -> SimConfig:
         profile="h100",
         num_nodes=128,
         batch=TrainingBatch(global_batch=2048, group_size=8, recompute="full", max_staleness=2),
+        # Groups launched at most 2 versions ahead; the long trajectories that outlive their turn may
+        # be 3 versions older still (5 at most) instead of being dropped (`training.tail_staleness`).
+        tail_staleness=3,
         workload=WorkloadConfig(name="r2e", group_size=8, num_prompts=20000),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=20,

@@ -12,6 +12,9 @@ def sim_config() -> SimConfig:
         profile="a800",
         num_nodes=6,
         batch=TrainingBatch(global_batch=128, group_size=4, recompute="full", max_staleness=2),
+        # Groups launched at most 2 versions ahead; the long trajectories that outlive their turn may
+        # be 3 versions older still (5 at most) instead of being dropped (`training.tail_staleness`).
+        tail_staleness=3,
         workload=WorkloadConfig(name="r2e", group_size=4),
         # The original's 48-GPU experiment re-plans every 5 steps.
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),

@@ -11,6 +11,9 @@ def sim_config() -> SimConfig:
         profile="h200",
         num_nodes=6,
         batch=TrainingBatch(global_batch=256, group_size=8, recompute="full", max_staleness=2),
+        # Groups launched at most 2 versions ahead; the long trajectories that outlive their turn may
+        # be 3 versions older still (5 at most) instead of being dropped (`training.tail_staleness`).
+        tail_staleness=3,
         workload=WorkloadConfig(name="search_r1", group_size=8),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=100,

@@ -1,11 +1,13 @@
 """The embedded default: the warm-started tiny policy on procedural tool-use tasks, on one CPU
 host (`bash scripts/launch_cpu.sh`, or `libra run configs/tiny_cpu.py`). Four CPU slots: one
-Megatron train rank (slot 0) and two rollout buckets under C-MLFQ, a TP-1 instance (slot 1) for
-trajectories with little left to generate and a TP-2 instance (slots 2-3) for the rest; async GRPO
-with staleness 1, weights published every step, the planner in the loop (it keeps this layout or
-moves the TP-1 slot to an elastic hybrid training replica, by its cost model and the measured
-steps), a held-out evaluation before the first step and after the last. About 10 minutes on a
-2-core machine (about 9 GB of memory); `job.num_steps=3` for a short run."""
+Megatron train rank (slot 0) and rollout instances on the other three, as the planner lays them out
+(`job.rollout_tp_sizes` empty: its cost model picks three TP-1 instances over TP-2 + TP-1 here,
+where a TP-2 instance is no faster), routed by C-MLFQ over a TP-1 and a TP-2 bucket; async GRPO
+with staleness 1 (and one more version for the trajectories that finish late), weights published
+every step, the planner in the loop (it keeps this layout or moves a slot to an elastic hybrid
+training replica, by its cost model and the measured steps), a held-out evaluation before the
+first step and after the last. About 10 minutes on a 2-core machine (about 9 GB of memory);
+`job.num_steps=3` for a short run; `job.rollout_tp_sizes=2,1` for the layout of earlier releases."""
 
 from libra.backends.config import BackendConfig
 from libra.config import LibraConfig
@@ -21,7 +23,7 @@ def config() -> LibraConfig:
     return LibraConfig(
         run_dir="runs/tiny-cpu",
         # 64 trajectories a step (the train batch, `training.train_batch_size`, is derived from it).
-        job=JobConfig(num_steps=30, prompts_per_step=8, group_size=8, rollout_tp_sizes=(2, 1)),
+        job=JobConfig(num_steps=30, prompts_per_step=8, group_size=8),
         # Remaining-token thresholds in the tiny policy's scale (turns of ~30-130 tokens).
         scheduler=CmlfqConfig(
             buckets=(
@@ -51,6 +53,7 @@ def config() -> LibraConfig:
             lr=2e-4,
             num_minibatches=4,
             max_staleness=1,
+            tail_staleness=1,
             max_tokens_per_microbatch=8192,
             grpo=GrpoConfig(clip_low=0.2, clip_high=0.28),
         ),

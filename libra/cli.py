@@ -120,6 +120,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from libra.sim.report import markdown_report, write_report
 
     config = load_sim_config(args.sim_config)
+    if args.calibrate_vllm:
+        config = _calibrated_by_vllm(config, args.calibrate_vllm)
     if args.steps:
         config = dataclasses.replace(config, num_steps=args.steps)
     if args.policies:
@@ -130,6 +132,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         print(markdown_report(comparison))
     return 0
+
+
+def _calibrated_by_vllm(config, specs: list[str]):
+    """The sim config with its rollout factors fitted to `vllm bench latency` files; prints the
+    fit and each run's held-out error."""
+    import dataclasses
+
+    from libra.sim.calibration import LatencyRun, calibrate_rollout_by_vllm
+
+    runs = [LatencyRun.parse(spec) for spec in specs]
+    factors, errors = calibrate_rollout_by_vllm(config.cluster, config.model, config.planner, runs)
+    print(
+        f"rollout factors fitted to {len(runs)} vLLM runs: compute {factors.compute:.3g}, memory "
+        f"{factors.memory:.3g}, communication {factors.communication:.3g}, "
+        f"overhead {factors.overhead_s * 1e3:.3g} ms a step"
+    )
+    for e in errors:
+        print(
+            f"  held out {e.label}: predicted {e.predicted_s:.3f} s, "
+            f"measured {e.measured_s:.3f} s ({e.relative_error:+.1%})"
+        )
+    return dataclasses.replace(config, rollout_factors=factors)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -213,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=0, help="override num_steps")
     p.add_argument("--policies", help="comma-separated policy names (default: the config's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--calibrate-vllm",
+        action="append",
+        metavar="FILE:tp=K,batch=B,input=I,output=O",
+        help="fit the rollout factors to a `vllm bench latency --output-json FILE` run on the target "
+        "nodes (repeat for each TP size x batch x context measured)",
+    )
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("run", help="run an RL job from a config file (configs/tiny_cpu.py ...)")

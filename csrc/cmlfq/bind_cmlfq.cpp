@@ -39,12 +39,12 @@ void bind_cmlfq(py::module_& m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<Scheduler>(m, "CmlfqScheduler", "The C-MLFQ core; arguments are validated by CmlfqConfig.")
       .def(py::init([](std::vector<int64_t> thresholds, uint32_t max_queue_length, uint32_t p90_window,
-                       uint32_t rebuild_window, uint32_t rebuild_interval) {
+                       uint32_t rebuild_window, uint32_t rebuild_interval, bool demote) {
              return std::make_unique<Scheduler>(cmlfq::Config{std::move(thresholds), max_queue_length, p90_window,
-                                                              rebuild_window, rebuild_interval});
+                                                              rebuild_window, rebuild_interval, demote});
            }),
            py::arg("bucket_thresholds"), py::arg("max_queue_length"), py::arg("p90_window"),
-           py::arg("rebuild_window"), py::arg("rebuild_interval"))
+           py::arg("rebuild_window"), py::arg("rebuild_interval"), py::arg("demote") = false)
       .def("admit", [](Scheduler& s, const std::string& t, const std::string& prompt) { return as_tuple(s.admit(t, prompt)); },
            release_gil())
       .def("on_tool_return",

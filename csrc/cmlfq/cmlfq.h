@@ -30,8 +30,10 @@ enum class Reason : uint8_t {
   kAnyInstanceFallback,      // every bucket full: least-loaded ready instance anywhere
   kNoInstance,               // no ready instance at all: the trajectory waits unplaced
   kRerouted,                 // placed again on request (after its instance was lost)
+  kDemotionHeld,             // both agree on a smaller bucket, but demotion is off: stay
+  kTargetFullStay,           // the bucket it should move to has no room: it stays on its instance
 };
-constexpr int kNumReasons = 10;
+constexpr int kNumReasons = 12;
 const char* reason_name(Reason reason);
 
 struct Decision {
@@ -47,6 +49,7 @@ struct Config {
   uint32_t p90_window;                     // samples kept per tree node for the P90
   uint32_t rebuild_window;                 // completed trajectories kept to rebuild the trees from
   uint32_t rebuild_interval;               // completions between automatic rebuilds; 0 = manual only
+  bool demote = false;                     // true: also move to smaller buckets (the original's rule)
 };
 
 // An id the core does not know (a finished trajectory, a removed instance). Python sees KeyError.

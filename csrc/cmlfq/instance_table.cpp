@@ -61,6 +61,10 @@ void InstanceTable::set_ready(InstanceId id, bool ready) { at(id).ready = ready;
 
 bool InstanceTable::is_ready(InstanceId id) const { return id != kNoInstance && at(id).ready; }
 
+bool InstanceTable::has_room(uint32_t bucket) const {
+  return bucket < by_bucket_.size() && least_loaded(by_bucket_[bucket], kNoInstance, true) != kNone;
+}
+
 // Adding and removing instances is rare (the planner does it), so the bucket index is rebuilt whole.
 void InstanceTable::index_buckets() {
   for (auto& indices : by_bucket_) indices.clear();

@@ -35,6 +35,8 @@ class InstanceTable {
   void remove(InstanceId id);
   void set_ready(InstanceId id, bool ready);
   bool is_ready(InstanceId id) const;  // false for kNoInstance
+  // A ready instance of the bucket has fewer than its cap of live trajectories.
+  bool has_room(uint32_t bucket) const;
   uint32_t bucket_of(InstanceId id) const { return at(id).bucket; }
   // A new bucket count, and the new bucket of every instance (each named exactly once). Throws
   // std::invalid_argument, changing nothing, when the mapping is not exactly that.

@@ -9,8 +9,12 @@
 // tokens to buckets: the smallest bucket whose threshold is at least the value, the last bucket
 // above all thresholds. Only when the two agree, and differ from the current bucket, does the
 // trajectory move, up or down; disagreement means the node's history is too spread out to act on.
+// With `demote` off it only moves up: a trajectory predicted to need less is near its end with its
+// longest context, which a smaller instance (the least KV) would have to take in to save little.
 // A trajectory that stays keeps its instance (and its prefix cache) while that instance is ready;
-// one that moves is placed by the instance table (least loaded, capped, with fallbacks).
+// so does one whose target bucket is full (a fallback placement elsewhere would pay the move and
+// gain nothing). One that moves is placed by the instance table (least loaded, capped, with
+// fallbacks), as are admissions and trajectories whose instance is gone.
 #include "cmlfq/scheduler.h"
 
 #include <algorithm>
@@ -56,8 +60,13 @@ Decision Scheduler::on_tool_return(const TrajectoryId& id, StateKey state, int64
   trajectory.path.push_back(state);
   trajectory.generated_at_state.push_back(clamp_tokens(generated_tokens));
   const BucketChoice choice = choose_bucket(trajectory);
-  if (choice.bucket == trajectory.bucket && instances_.is_ready(trajectory.instance)) {
-    return {trajectory.bucket, trajectory.instance, choice.reason, false};
+  if (instances_.is_ready(trajectory.instance)) {
+    if (choice.bucket == trajectory.bucket) return {trajectory.bucket, trajectory.instance, choice.reason, false};
+    // A move pays only on the bucket it is for: falling back elsewhere would re-prefill (or
+    // transfer) the context for nothing, so a trajectory whose target is full stays.
+    if (!instances_.has_room(choice.bucket)) {
+      return {trajectory.bucket, trajectory.instance, Reason::kTargetFullStay, false};
+    }
   }
   return move_to(trajectory, choice.bucket, choice.reason);
 }
@@ -87,6 +96,7 @@ Scheduler::BucketChoice Scheduler::choose_bucket(Trajectory& trajectory) {
   const uint32_t by_mean = bucket_for_mean(prediction->stats);
   if (by_mean != bucket_for_tokens(prediction->stats.p90)) return {Reason::kMeanP90Disagree, trajectory.bucket};
   if (by_mean == trajectory.bucket) return {Reason::kStaySameBucket, by_mean};
+  if (by_mean < trajectory.bucket && !config_.demote) return {Reason::kDemotionHeld, trajectory.bucket};
   return {by_mean > trajectory.bucket ? Reason::kMigrateUp : Reason::kMigrateDown, by_mean};
 }
 
@@ -257,7 +267,7 @@ const char* reason_name(Reason reason) {
       "admitted",         "no_history",           "mean_p90_disagree",
       "stay_same_bucket", "migrate_up",           "migrate_down",
       "bucket_saturated_fallback", "any_instance_fallback", "no_instance",
-      "rerouted",
+      "rerouted",         "demotion_held",        "target_full_stay",
   };
   return kNames[static_cast<int>(reason)];
 }

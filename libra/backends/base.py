@@ -40,13 +40,19 @@ class HardwareProfile:
     memory_bandwidth_bytes_per_s: float
     memory_capacity_bytes: int
     intra_node_bandwidth_bytes_per_s: float
-    """Per-device bandwidth to peers in the same node (NVLink, HCCS; memcpy on the CPU)."""
+    """Per-device bandwidth to peers in the same node (NVLink, HCCS; memcpy on the CPU), in one
+    direction: what a transfer, or a ring all-reduce's step that sends and receives at once, can
+    use (vendors quote NVLink as the sum of both directions: half of it)."""
     inter_node_bandwidth_bytes_per_s: float
-    """Per-device bandwidth to other nodes (InfiniBand / RoCE NICs)."""
+    """Per-device bandwidth to other nodes (InfiniBand / RoCE NICs), in one direction."""
     devices_per_node: int
     allreduce_latency_s: float = 0.0
     """Latency floor of one small all-reduce inside a node (a decode step's activations): what
     a TP group pays per collective however few bytes it moves. 0: not modelled."""
+    engine_step_overhead_s: float = 0.0
+    """Host time an inference engine spends per forward pass (scheduling, sampling, input
+    preparation, launches): paid once a step at every TP size, it bounds what a larger TP size
+    gains on small batches. 0: not modelled (calibration's `overhead_s` can fit it)."""
 
 
 @dataclass(frozen=True)

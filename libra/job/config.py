@@ -34,9 +34,12 @@ class JobConfig:
     (`training.train_batch_size`) is derived: `prompts_per_step x group_size` trajectories."""
     group_size: int = 8
     """Trajectories per prompt (the GRPO group)."""
-    rollout_tp_sizes: tuple[int, ...] = (1, 1)
+    rollout_tp_sizes: tuple[int, ...] = ()
     """TP size of each rollout instance (on the command line comma-separated:
-    `job.rollout_tp_sizes=1,1,2`). Each TP size must have a bucket in the root `scheduler.buckets`."""
+    `job.rollout_tp_sizes=1,1,2`). Each TP size must have a bucket in the root `scheduler.buckets`.
+    Empty (`job.rollout_tp_sizes=`): the planner's choice, on the devices training leaves, among
+    the buckets' TP sizes (`libra.job.problem.planned_rollout_sizes`), as the original's
+    `initial_allocation_strategy` does."""
     router: str = "cmlfq"
     """Routing policy: `cmlfq` (C-MLFQ over TP buckets), or the baselines `least_load`,
     `round_robin`."""
@@ -112,8 +115,10 @@ class JobConfig:
         if not self.tracker_project:
             raise ValueError("job.tracker_project must name a W&B project / MLflow experiment")
         sizes = self.rollout_tp_sizes
-        if not isinstance(sizes, tuple | list) or not sizes or not all(_is_tp_size(s) for s in sizes):
-            raise ValueError(f"job.rollout_tp_sizes must be a tuple of TP sizes >= 1, got {sizes!r}")
+        if not isinstance(sizes, tuple | list) or not all(_is_tp_size(s) for s in sizes):
+            raise ValueError(
+                f"job.rollout_tp_sizes must be a tuple of TP sizes >= 1 (empty: planned), got {sizes!r}"
+            )
         self.rollout_tp_sizes = tuple(sizes)
 
     @property

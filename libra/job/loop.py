@@ -8,10 +8,11 @@
 Asynchrony comes from the gate: with `max_staleness` s, rollouts may be started for up to
 (version + s + 1) batches, so while the trainer takes step n the instances are already
 generating step n+1's groups (and switch to the new weights between tokens when they arrive).
-No trajectory whose oldest token is more than s versions old is trained on: by default such a
-group is dropped, whole, when its batch is formed; with `training.staleness_mode=wait` the
-trainer instead waits, before a step, for the groups launched s versions ago, so the long tail
-is trained on rather than thrown away.
+No trajectory whose oldest token is more than s + t versions old is trained on (t:
+`training.tail_staleness`, extra versions for the late ones, which do not deepen the launch): by
+default such a group is dropped, whole, when its batch is formed; with
+`training.staleness_mode=wait` the trainer instead waits, before a step, for the groups launched
+s + t versions ago, so the long tail is trained on rather than thrown away.
 Training and weight export are blocking gRPC calls made from a thread, so the event loop keeps
 driving every trajectory meanwhile.
 
@@ -84,7 +85,9 @@ class GrpoJob:
             load_environment(config.tasks.environment)
         if config.endpoint.agent:  # and an agent
             load_agent(config.endpoint.agent)
-        self.gate = StalenessGate(config.training.max_staleness, self.job.batch_size)
+        self.gate = StalenessGate(
+            config.training.max_staleness, self.job.batch_size, tail_staleness=config.training.tail_staleness
+        )
         self.in_flight: dict[int, asyncio.Task[Group]] = {}
         self.finished: dict[int, Group] = {}
         self.unfinished: dict[int, int] = {}

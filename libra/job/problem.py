@@ -15,6 +15,8 @@ from pathlib import Path
 from libra.config import LibraConfig
 from libra.model_spec import DTYPE_BYTES, ModelSpec
 from libra.planner.config import ClusterSpec, ModelArch, PlanningProblem, RequestRecord, TrainingBatch
+from libra.planner.plan import Plan
+from libra.planner.search import NoFeasiblePlan, search
 from libra.training.hybrid import HYBRID_POOL_LIMITS
 
 
@@ -64,3 +66,32 @@ def planning_problem(config: LibraConfig, model_dir: Path) -> PlanningProblem:
         # What `libra.training.hybrid` pairs: training grows past it by a restart.
         config=dataclasses.replace(config.planner, hybrid_pool=HYBRID_POOL_LIMITS),
     )
+
+
+def planned_rollout_sizes(config: LibraConfig, problem: PlanningProblem) -> tuple[tuple[int, ...], Plan]:
+    """The rollout instances' TP sizes the planner chooses for the launch (`job.rollout_tp_sizes`
+    empty), largest first, and its plan: its search on the devices the job's training takes
+    (`training.world_size`, fixed) leaves to rollout, among the TP sizes that have a C-MLFQ
+    bucket (on the CPU default: three TP-1 instances rather than TP-2 + TP-1, where a TP-2
+    instance is no faster, `PLATFORM.md`)."""
+    train = config.training.world_size
+    rollout = problem.cluster.num_devices - train
+    bucket_sizes = {b.tp_size for b in config.scheduler.buckets}
+    sizes = tuple(k for k in problem.config.search.rollout_tp_sizes if k in bucket_sizes)
+    if rollout < 1 or not sizes:
+        raise ValueError(
+            f"job.rollout_tp_sizes is empty (planned) but there is nothing to plan: {rollout} devices "
+            f"left after training's {train}, bucket TP sizes {sorted(bucket_sizes)} against the "
+            f"planner's {list(problem.config.search.rollout_tp_sizes)}; set job.rollout_tp_sizes"
+        )
+    space = dataclasses.replace(
+        problem.config.search, rollout_tp_sizes=sizes, min_train_devices=train, min_rollout_devices=rollout
+    )
+    try:
+        plan = search(dataclasses.replace(problem, config=dataclasses.replace(problem.config, search=space)))
+    except NoFeasiblePlan as e:
+        raise ValueError(
+            f"job.rollout_tp_sizes is empty (planned) but the planner found no layout: {e}; "
+            "set job.rollout_tp_sizes"
+        ) from e
+    return tuple(sorted((i.tp for i in plan.instances), reverse=True)), plan

@@ -29,6 +29,8 @@ class JobEvent(enum.StrEnum):
 
     STARTED = "started"
     """The workers serve; the run begins."""
+    LAUNCH_PLANNED = "launch_planned"
+    """The planner chose the rollout instances of the launch (`job.rollout_tp_sizes` empty)."""
     CHECKPOINT = "checkpoint"
     RESUME = "resume"
     """A resumed run took up its last checkpoint."""

@@ -6,6 +6,7 @@ and bucket occupancy sampling for the run's records and progress."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ class JobWorkers:
         self.source = await load_task_source(self.config, self.sandbox)
 
         self.planning_problem = self._planning_problem()
+        if not self.job.rollout_tp_sizes:
+            self._plan_launch_layout()
         await asyncio.to_thread(self.cluster.start, self.planning_problem)
         self.publication = WeightPublication(
             recorder, self.cluster.token, self.config.control, self.job.keep_weight_versions
@@ -139,6 +142,22 @@ class JobWorkers:
         from libra.job.problem import planning_problem
 
         return planning_problem(self.config, self.source.model_dir)
+
+    def _plan_launch_layout(self) -> None:
+        """`job.rollout_tp_sizes` empty: the planner's choice of rollout instances becomes the
+        job's (every later reader of the config sees it), said in an event."""
+        from libra.job.problem import planned_rollout_sizes, planning_problem
+
+        problem = self.planning_problem or planning_problem(self.config, self.source.model_dir)
+        sizes, plan = planned_rollout_sizes(self.config, problem)
+        self.job = dataclasses.replace(self.job, rollout_tp_sizes=sizes)
+        self.config = dataclasses.replace(self.config, job=self.job)
+        self.recorder.event(
+            JobEvent.LAUNCH_PLANNED,
+            f"rollout instances TP {', '.join(map(str, sizes))}, the planner's choice: {plan.layout()}, "
+            f"predicted rollout {plan.predicted_rollout_s:.2f} s a step",
+            tp_sizes=list(sizes),
+        )
 
     # -- between steps ---------------------------------------------------------------------------
 

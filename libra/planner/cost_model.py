@@ -7,9 +7,10 @@ A prediction is linear in the inverse efficiencies:
            + latency_s
 
 where `compute_s` is the time at the device's peak FLOP/s, `memory_s` at its peak memory
-bandwidth and `communication_s` at its peak link bandwidth. `latency_s` is the collectives'
-latency floor (`HardwareProfile.allreduce_latency_s` per all-reduce): a measured figure, not a
-share of a peak, so no efficiency scales it and calibration moves it to the measured side. This is
+bandwidth and `communication_s` at its peak link bandwidth (one direction). `latency_s` holds the
+profile's measured floors (`HardwareProfile.allreduce_latency_s` per all-reduce, and an inference
+engine's `engine_step_overhead_s` per step): not shares of a peak, so no efficiency scales them
+and calibration moves them to the measured side (its `overhead_s` fits what is left). This is
 what makes calibration a linear least-squares problem (`libra.planner.calibration`).
 """
 
@@ -48,7 +49,8 @@ class TimeBreakdown:
     overhead_steps: float = 0.0
     """How many times the per-step overhead is paid."""
     latency_s: float = 0.0
-    """Collective latency floors, in seconds as they are (not scaled by an efficiency)."""
+    """Measured floors (collective latency, an engine's host time per step), in seconds as they
+    are (not scaled by an efficiency)."""
 
     def __add__(self, other: TimeBreakdown) -> TimeBreakdown:
         return TimeBreakdown(

@@ -6,9 +6,13 @@ Per instance of TP size k (all figures per device unless said otherwise):
 - Steady batch = capacity / mean context (prompt + output / 2), capped at max_decode_batch.
 - Decode step (bandwidth bound) = read the weight shard and the batch's KV, plus the batch's
   matmul FLOPs, plus two all-reduces per layer over the TP group -- each paying the link's
-  latency floor (`HardwareProfile.allreduce_latency_s`) on top of its bytes: at small batches
-  that floor, 2 x layers per step whatever the batch, is what a large TP size pays for reading
-  fewer weights per device.
+  latency floor (`HardwareProfile.allreduce_latency_s`) on top of its bytes at the bus bandwidth
+  (one direction of the links) -- plus the engine's host time per step
+  (`HardwareProfile.engine_step_overhead_s`). At small batches those floors, which do not shrink
+  with the TP size, are what a large TP size pays for reading fewer weights per device: the
+  anchor table (`tests/planner/test_rollout_anchors.py`) holds the single-stream speed-ups they
+  leave to what published engines measure. Compute and memory time are added (not overlapped),
+  which keeps calibration linear and overstates large batches (about 1.5x at batch 64).
 - Prefill of p tokens: 2 * params * p + 2 * layers * p^2 * query_dim FLOPs (causal attention),
   plus the same two all-reduces per layer, of p tokens' activations each.
 
@@ -105,19 +109,22 @@ class RolloutCostModel:
             memory_s=(weight_read + kv_read) / profile.memory_bandwidth_bytes_per_s,
             communication_s=comm,
             overhead_steps=1.0,
-            latency_s=self._allreduce_latency_per_pass(tp),
+            latency_s=self._pass_floor_s(tp),
         )
 
-    def _allreduce_latency_per_pass(self, tp: int) -> float:
-        """Latency floors of one forward pass: two all-reduces per layer (attention and MLP
-        outputs) over the TP group."""
-        return 2 * self.model.num_layers * allreduce_latency_s(tp, self.cluster.profile.allreduce_latency_s)
+    def _pass_floor_s(self, tp: int) -> float:
+        """Fixed floors of one forward pass: the engine's host time, and the latency of two
+        all-reduces per layer (attention and MLP outputs) over the TP group."""
+        profile = self.cluster.profile
+        return profile.engine_step_overhead_s + 2 * self.model.num_layers * allreduce_latency_s(
+            tp, profile.allreduce_latency_s
+        )
 
     def prefill(self, tp: int, prompt_tokens: float) -> TimeBreakdown:
         return TimeBreakdown(
             compute_s=float(self._prefill_compute_s(tp, np.asarray(prompt_tokens, dtype=float))),
             communication_s=float(self._prefill_communication_s(tp, np.asarray(prompt_tokens, dtype=float))),
-            latency_s=self._allreduce_latency_per_pass(tp),
+            latency_s=self._pass_floor_s(tp),
         )
 
     def prefill_seconds(self, tp: int, prompt_tokens: np.ndarray) -> np.ndarray:
@@ -126,7 +133,7 @@ class RolloutCostModel:
         return (
             self._prefill_compute_s(tp, prompt_tokens) / f.compute
             + self._prefill_communication_s(tp, prompt_tokens) / f.communication
-            + self._allreduce_latency_per_pass(tp)
+            + self._pass_floor_s(tp)
         )
 
     def _prefill_compute_s(self, tp: int, prompt_tokens: np.ndarray) -> np.ndarray:

@@ -56,6 +56,7 @@ class CmlfqRouter:
             p90_window=self.config.p90_window,
             rebuild_window=self.config.rebuild_window,
             rebuild_interval=self.config.rebuild_interval,
+            demote=self.config.demote,
         )
 
     def admit(self, trajectory_id: str, prompt_id: str) -> Decision:

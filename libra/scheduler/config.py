@@ -57,6 +57,13 @@ class CmlfqConfig:
     max_queue_length: int = 3
     """Live trajectories per instance beyond which it takes no more while another bucket has
     room (placement then falls back; see `Reason`)."""
+    demote: bool = False
+    """Whether a trajectory whose predicted remaining work fell moves to a smaller bucket (the
+    original's rule). Off by default: a demoted trajectory is near its end with its longest
+    context, which the move re-prefills (or transfers) into the bucket with the least KV per
+    instance to save a little decoding; on the paper-scale R2E pools it crowded the small
+    instances' KV and cost 15 % of trained tokens/s against least-load (`docs/scheduling.md`).
+    Off, the trajectory stays (`Reason.DEMOTION_HELD`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", tuple(self.buckets))

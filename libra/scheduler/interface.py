@@ -48,6 +48,11 @@ class Reason(enum.IntEnum):
     """No instance is ready: the trajectory waits unplaced (`instance_id` None) until rerouted."""
     REROUTED = 9
     """Placed again by `reroute`, in its bucket."""
+    DEMOTION_HELD = 10
+    """Mean and P90 agree on a smaller bucket, but demotion is off (`CmlfqConfig.demote`): stay."""
+    TARGET_FULL_STAY = 11
+    """Mean and P90 agree on another bucket, which has no room: stay on the current instance
+    (a fallback placement would pay the move and gain nothing)."""
 
 
 @dataclass(slots=True)

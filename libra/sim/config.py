@@ -70,6 +70,10 @@ class PolicySpec:
     dedicated long rounds (synchronous mode only)."""
     max_staleness: int | None = None
     """None: the config's batch.max_staleness (ignored in synchronous mode)."""
+    original_thresholds: bool = False
+    """FIXED_PATTERN with C-MLFQ: the original's thresholds (4k / 12k / 30k remaining tokens for
+    TP-1 / 2 / 4) instead of thresholds fitted to the buckets' capacity
+    (`libra.planner.routing_thresholds`)."""
     description: str = ""
 
 
@@ -129,7 +133,17 @@ POLICIES: dict[str, PolicySpec] = {
             Mode.DISAGGREGATED_ASYNC,
             Pool.FIXED_PATTERN,
             RouterKind.CMLFQ,
-            description="Libra on the original's fixed layout, never re-planned",
+            description="Libra on the original's fixed layout, never re-planned (thresholds fitted to "
+            "its buckets' capacity)",
+        ),
+        PolicySpec(
+            "fixed_original_thresholds",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.FIXED_PATTERN,
+            RouterKind.CMLFQ,
+            original_thresholds=True,
+            description="libra_no_planner with the original's thresholds (4k / 12k / 30k remaining "
+            "tokens), blind to how much of the pool each bucket holds",
         ),
         PolicySpec(
             "fixed_least_load",
@@ -138,6 +152,23 @@ POLICIES: dict[str, PolicySpec] = {
             RouterKind.LEAST_LOAD,
             description="libra_no_planner's heterogeneous layout with capacity-weighted least-load "
             "routing instead of C-MLFQ: C-MLFQ's own effect where there are buckets to route between",
+        ),
+        PolicySpec(
+            "fixed_sync",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.FIXED_PATTERN,
+            RouterKind.CMLFQ,
+            max_staleness=0,
+            description="libra_no_planner kept on-policy (staleness 0: each step's rollout waits for the "
+            "last weights, so its tail bounds the step)",
+        ),
+        PolicySpec(
+            "fixed_sync_least_load",
+            Mode.DISAGGREGATED_ASYNC,
+            Pool.FIXED_PATTERN,
+            RouterKind.LEAST_LOAD,
+            max_staleness=0,
+            description="fixed_sync with capacity-weighted least-load routing",
         ),
         PolicySpec(
             "libra",
@@ -157,6 +188,20 @@ HETEROGENEOUS_ABLATION = ("libra_no_planner", "fixed_least_load")
 """C-MLFQ against least-load on one heterogeneous layout. When the planner's pool has a single
 bucket (the best pool for the workload can be homogeneous), libra_no_cmlfq equals libra by
 construction, and this pair is where the router's effect shows."""
+ROUTER_COMPARISONS = (
+    (*HETEROGENEOUS_ABLATION, "on the fixed heterogeneous layout, C-MLFQ / least-load"),
+    (
+        "fixed_sync",
+        "fixed_sync_least_load",
+        "on the same layout kept on-policy (tail-bound), C-MLFQ / least-load",
+    ),
+    (
+        "libra_no_planner",
+        "fixed_original_thresholds",
+        "C-MLFQ with capacity-fitted / the original's thresholds",
+    ),
+)
+"""(policy, baseline, what the ratio says): the router's own effects, on equal devices."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +269,8 @@ class SimConfig:
     cmlfq_max_queue_length: int = 0
     """Live trajectories per instance before C-MLFQ falls back to another bucket; 0: derived
     from the initial pool (twice the fair share of the trajectories in flight)."""
+    cmlfq_demote: bool = False
+    """C-MLFQ also moves trajectories down to smaller buckets (`CmlfqConfig.demote`)."""
     fixed_node_pattern: tuple[int, ...] = (1, 1, 2, 4)
     fixed_train_fraction: float = 2 / 3
     train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS
@@ -241,6 +288,11 @@ class SimConfig:
     """As the job's `training.staleness_mode`, for the asynchronous policies: `drop` (the trainer
     never waits; trajectories finishing too stale are dropped) or `wait` (it waits for
     trajectories launched `max_staleness` versions ago; none is dropped)."""
+    tail_staleness: int = 0
+    """As the job's `training.tail_staleness`, for the asynchronous policies that take the
+    config's staleness (not those naming their own, `PolicySpec.max_staleness`): versions beyond
+    the launch depth (`batch.max_staleness`) that a trajectory finishing late may carry and still
+    be trained on."""
 
     def __post_init__(self) -> None:
         if self.staleness_mode not in STALENESS_MODES:
@@ -249,6 +301,8 @@ class SimConfig:
             )
         if self.profile not in PROFILES:
             raise ValueError(f"sim.profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
+        if self.tail_staleness < 0:
+            raise ValueError(f"sim.tail_staleness must be >= 0, got {self.tail_staleness}")
         if self.num_nodes < 1:
             raise ValueError(f"sim.num_nodes must be >= 1, got {self.num_nodes}")
         if self.num_steps < 1:

@@ -8,9 +8,12 @@ on the same heap and is told, through `on_finish`, when a trajectory completes.
 
 A trajectory's life: `start` -> router.admit -> a (chunked) prefill and decode on the chosen
 instance -> at the end of each turn either the end (router.on_finish) or a tool call; when the tool returns
-(after its traced latency) router.on_tool_return says where the next turn runs. On the same
-instance only the tool result is prefilled (the prefix is cached); elsewhere the whole context is
-re-prefilled, or its KV moved, per `MovementCosts.migration`.
+(after its traced latency) router.on_tool_return says where the next turn runs. An ended turn's
+KV stays in its instance's prefix cache only until other sequences need the room
+(`libra.sim.instance`). On the same instance only the tool result is prefilled if the prefix is
+still cached when the turn is admitted, the whole context otherwise; elsewhere the whole context
+is re-prefilled, or its KV moved, per `MovementCosts.migration` -- moved only while the old
+instance still caches it (looked up when the tool returns: the transfer starts then).
 """
 
 from __future__ import annotations
@@ -96,8 +99,10 @@ class RolloutCluster:
         self.live: dict[int, LiveTrajectory] = {}
         self._by_id: dict[str, int] = {}
         self.unplaced: set[int] = set()
-        self._cut: set[int] = set()
-        """Unplaced trajectories whose turn was cut mid-decode (resume as soon as placed)."""
+        self._turn_due: set[int] = set()
+        """Unplaced trajectories with a turn to run as soon as they are placed: one cut mid-decode
+        (it resumes), or one admitted or back from a tool while no instance was ready. (The
+        others unplaced are in a tool call: their tool return places them.)"""
         self._next_key = 0
         self._next_instance = 0
         self.version = 0
@@ -107,6 +112,8 @@ class RolloutCluster:
         self.num_migrations = 0
         self.num_turns = 0
         self.migration_s = 0.0
+        self._evicted_move_tokens = 0.0
+        """Context tokens re-prefilled under `kv_move` because the old instance had evicted them."""
 
     # The clock.
 
@@ -158,9 +165,14 @@ class RolloutCluster:
     def _instance_ready(self, inst: Instance) -> None:
         if inst.retired:
             return
-        self.router.set_instance_ready(inst.instance_id, True)
+        # Every instance ready by now takes its share of the waiting trajectories, not the first
+        # one whose event happens to run first.
+        ready = [i for i in self.instances.values() if i.ready_at <= self.now]
+        for each in ready:
+            self.router.set_instance_ready(each.instance_id, True)
         self.reroute_unplaced()
-        self._reschedule(inst)
+        for each in ready:
+            self._reschedule(each)
 
     def remove_instance(self, instance_id: int) -> None:
         """Stops an instance now: its in-flight turns are cut (they keep their tokens) and every
@@ -176,7 +188,7 @@ class RolloutCluster:
             traj.carried = max(0.0, turn_output - max(seq.left, 0.0))
             traj.context = seq.context if seq.context > traj.context else traj.context
             traj.cached_on = None
-            self._cut.add(seq.key)
+            self._turn_due.add(seq.key)
         for trajectory_id in self.router.remove_instance(instance_id):
             key = self._by_id[trajectory_id]
             self.live[key].instance = None
@@ -223,8 +235,8 @@ class RolloutCluster:
                 continue
             self.unplaced.discard(key)
             traj.instance = decision.instance_id
-            if key in self._cut:  # it was decoding: resume its turn now
-                self._cut.discard(key)
+            if key in self._turn_due:
+                self._turn_due.discard(key)
                 self._run_turn(traj)
 
     def _reschedule(self, inst: Instance) -> None:
@@ -262,51 +274,56 @@ class RolloutCluster:
         del self.live[traj.key]
         del self._by_id[traj.trajectory_id]
         self.unplaced.discard(traj.key)
-        self._cut.discard(traj.key)
+        self._turn_due.discard(traj.key)
 
     def _follow(self, traj: LiveTrajectory, decision: Decision) -> None:
         traj.instance = decision.instance_id
         if decision.instance_id is None:
             self.unplaced.add(traj.key)
+            self._turn_due.add(traj.key)
             return
         self._run_turn(traj)
 
     def _run_turn(self, traj: LiveTrajectory) -> None:
         inst = self.instances[traj.instance]
         turn = traj.trace.turns[traj.turn]
+        payload = float(traj.trace.turns[traj.turn - 1].payload_tokens) if traj.turn else 0.0
+        cached = move_s = 0.0
         if traj.turn == 0 and traj.carried == 0 and traj.cached_on is None:
             new_tokens = float(traj.trace.prompt_tokens)
         elif traj.cached_on == inst.instance_id:
-            new_tokens = float(traj.trace.turns[traj.turn - 1].payload_tokens) if traj.turn else 0.0
+            # The instance looks the prefix up when it admits the turn, and prefills it again if
+            # it was evicted by then.
+            new_tokens, cached = payload, traj.context - payload
         else:
-            new_tokens = self._migration_tokens(traj, inst)
-        # A KV transfer runs over the links, not in the engine's steps: the turn joins the
-        # instance's queue when its KV has arrived.
-        move_s = self._kv_move_s(traj, inst) if self._moves_kv(traj, inst) else 0.0
+            self.num_migrations += 1
+            new_tokens = traj.context
+            if self._moves_kv(traj, inst):
+                # A KV transfer runs over the links, not in the engine's steps: the turn joins
+                # the instance's queue when its KV has arrived.
+                new_tokens, move_s = payload, self._kv_move_s(traj, inst)
+            elif self.migration == "kv_move" and traj.cached_on in self.instances:  # evicted there
+                self._evicted_move_tokens += traj.context - payload
         if len(traj.versions) == traj.turn:  # a cut turn resumes under the version it began with
             traj.versions.append(self.version)
         inst.advance(self.now)
         left = turn.output_tokens - traj.carried
-        inst.enqueue(Sequence(traj.key, traj.context, left, new_tokens, not_before=self.now + move_s))
+        inst.enqueue(
+            Sequence(traj.key, traj.context, left, new_tokens, not_before=self.now + move_s, cached=cached)
+        )
         self._reschedule(inst)
-
-    def _migration_tokens(self, traj: LiveTrajectory, inst: Instance) -> float:
-        """Tokens the new instance must prefill for a trajectory that ran elsewhere."""
-        self.num_migrations += 1
-        payload = float(traj.trace.turns[traj.turn - 1].payload_tokens) if traj.turn else 0.0
-        if self._moves_kv(traj, inst):
-            return payload
-        return traj.context
 
     def _moves_kv(self, traj: LiveTrajectory, inst: Instance) -> bool:
         """Whether `traj`'s KV reaches `inst` by a transfer: only under `kv_move`, and only from
-        a live instance that still holds it (a stopped instance's cache is gone: re-prefill)."""
-        return (
-            self.migration == "kv_move"
-            and traj.cached_on is not None
-            and traj.cached_on != inst.instance_id
-            and traj.cached_on in self.instances
-        )
+        a live instance that still caches it (a stopped instance's cache is gone, and an entry
+        may have been evicted: re-prefill)."""
+        if self.migration != "kv_move" or traj.cached_on in (None, inst.instance_id):
+            return False
+        source = self.instances.get(traj.cached_on)
+        if source is None:
+            return False
+        source.advance(self.now)  # its evictions up to now
+        return source.holds_prefix(traj.key)
 
     def _kv_move_s(self, traj: LiveTrajectory, inst: Instance) -> float:
         """The context's KV from its holder to `inst`: the full KV (every KV head once; a TP
@@ -377,6 +394,17 @@ class RolloutCluster:
 
     def all_instances(self) -> list[Instance]:
         return list(self.instances.values()) + self.retired
+
+    @property
+    def prefix_evictions(self) -> int:
+        """Prefix-cache entries evicted, on every instance (a finished trajectory's costs nothing)."""
+        return sum(i.evictions for i in self.all_instances())
+
+    @property
+    def evicted_prefill_tokens(self) -> float:
+        """Tokens prefilled again because a prefix was evicted: by the instance a turn was queued
+        on before it was admitted, or, under `kv_move`, by the one it would have moved from."""
+        return self._evicted_move_tokens + sum(i.evicted_prefill_tokens for i in self.all_instances())
 
     def settle(self) -> None:
         """Advances every instance to now (before reading busy times)."""

@@ -32,12 +32,28 @@ function of its events.
 A sequence waits in the instance's queue while its context does not fit the free KV capacity or
 the batch (decoding and prefilling sequences, vLLM's `max_num_seqs`) is full; one whose KV is
 being moved in from another instance (`not_before`) joins the queue when the transfer is done.
+Admission reserves a sequence's context, not what its decode will add: a batch that grows past
+the capacity is not preempted.
+
+The KV capacity is shared with a prefix cache, as under vLLM's automatic prefix caching. A turn
+that ends (at a tool call, or the trajectory's last) frees its KV, but it stays cached, keyed by
+trajectory, in least-recently-used order: it counts against the capacity yet is evictable, and a
+sequence admitted, or a decode that grows, evicts the oldest entries it needs room for -- never
+more, and none when evicting them all would not make room. Were cached KV not counted, every
+trajectory waiting in a tool would hold its prefix for free, overstating what an instance holds on
+agentic workloads. A turn that counts on its previous turn's KV (`Sequence.cached`) looks it up when it
+is admitted, as vLLM's scheduler does when it takes a request off the queue: it may have been
+evicted while the turn waited there, and is then prefilled again (`evicted_prefill_tokens`). Only
+the entry a trajectory's last turn left is a hit; an older one, left on an instance the
+trajectory has since moved away from, is dropped when it comes back and prefills its whole
+context (vLLM would find their common prefix). A turn taken off the instance (cut to resume
+elsewhere, or aborted) frees its KV uncached, and a stopped instance's cache is gone.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from libra.planner.rollout_cost import RolloutCostModel
@@ -97,6 +113,9 @@ class Sequence:
     """Tokens of its context still to prefill (the last ones of `context`)."""
     not_before: float = 0.0
     """Its KV is being moved in until then; it joins the queue at this time."""
+    cached: float = 0.0
+    """Tokens of its context before `prefill_left` expected in the instance's prefix cache (what
+    its previous turn left there); prefilled too if they are gone when it is admitted."""
 
     @property
     def prefill_offset(self) -> float:
@@ -141,6 +160,15 @@ class Instance:
     """KV tokens held or reserved by the decoding and prefilling sequences."""
     decode_kv: float = 0.0
     """KV tokens of the decoding sequences (what a decode step reads)."""
+    prefix_cache: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    """Trajectory key -> KV tokens its ended turn left cached (freed, evictable), least recently
+    used first."""
+    cached_tokens: float = 0.0
+    """The sum of `prefix_cache`: with `kv_tokens`, what counts against the capacity."""
+    evictions: int = 0
+    """Prefix-cache entries evicted to make room."""
+    evicted_prefill_tokens: float = 0.0
+    """Tokens prefilled again because the cached prefix a turn counted on had been evicted."""
     retired: bool = False
 
     def __post_init__(self) -> None:
@@ -207,6 +235,7 @@ class Instance:
         self.kv_tokens += gained
         self.decode_kv += gained
         self.decoded_tokens += gained
+        self._evict()
 
     def _prefill_steps(self, t: float, until: float, apply: bool) -> float:
         """Runs (apply) or prices (not apply) the steps from t while the composition holds: the
@@ -298,28 +327,65 @@ class Instance:
     def admit_waiting(self) -> None:
         """Moves queued sequences into the batch while KV capacity and batch size allow (FIFO;
         an empty instance takes the head even if it overflows, or nothing would ever run it).
-        A sequence with nothing to prefill decodes at once."""
+        The prefix cache gives way: an admitted sequence evicts what it needs room for. A
+        sequence with nothing to prefill decodes at once."""
         cap = self.coefficients.token_capacity
         while self.waiting and len(self.active) + len(self.prefilling) < self.max_batch:
             head = self.waiting[0]
+            # Every cache entry can be evicted (the head's own becomes part of its context).
             if (self.active or self.prefilling) and self.kv_tokens + head.context > cap:
                 break
             self.waiting.popleft()
+            self._take_prefix(head)
             if head.prefill_left > DONE_EPS:
                 self.prefilling.append(head)
             else:
                 self.active.append(head)
                 self.decode_kv += head.context
             self.kv_tokens += head.context
+            self._evict()
+
+    # The prefix cache.
+
+    def holds_prefix(self, key: int) -> bool:
+        """Whether the KV trajectory `key`'s last turn left here is still cached."""
+        return key in self.prefix_cache
+
+    def _take_prefix(self, seq: Sequence) -> None:
+        """An admitted sequence's cache entry becomes part of its KV. One that counted on an entry
+        evicted since prefills it again; one that did not drops an outdated entry."""
+        held = self.prefix_cache.pop(seq.key, None)
+        if held is not None:
+            self.cached_tokens = self.cached_tokens - held if self.prefix_cache else 0.0
+        elif seq.cached > 0:
+            seq.prefill_left += seq.cached
+            self.evicted_prefill_tokens += seq.cached
+        seq.cached = 0.0
+
+    def _evict(self) -> None:
+        """Evicts least recently used entries until the KV held and cached fits the capacity
+        (all of them when the held KV alone overflows it)."""
+        cap = self.coefficients.token_capacity
+        while self.prefix_cache and self.kv_tokens + self.cached_tokens > cap + DONE_EPS:
+            _, tokens = self.prefix_cache.popitem(last=False)
+            self.cached_tokens = self.cached_tokens - tokens if self.prefix_cache else 0.0
+            self.evictions += 1
 
     # Leaving.
 
     def pop_finished(self) -> list[Sequence]:
-        """Sequences whose turn is done (their KV is freed: the engine ends a request at a tool call)."""
+        """Sequences whose turn is done. The engine ends the request (at a tool call, or the
+        trajectory's end): its KV is freed into the prefix cache, the most recently used entry."""
         done = [s for s in self.active if s.left <= DONE_EPS]
         if done:
             self.active = [s for s in self.active if s.left > DONE_EPS]
             self._recount_kv()
+            for seq in done:
+                self.prefix_cache[seq.key] = seq.context
+                self.cached_tokens += seq.context
+            # What overflowed the capacity (an empty instance's oversized admission, a batch
+            # grown past it) cannot stay cached.
+            self._evict()
         return done
 
     def remove(self, key: int) -> Sequence | None:
@@ -337,10 +403,12 @@ class Instance:
         return None
 
     def take_all(self) -> list[Sequence]:
-        """Removes every sequence (the instance is stopped: in-flight turns are cut)."""
+        """Removes every sequence (the instance is stopped: in-flight turns are cut, the cache is gone)."""
         seqs = [*self.active, *self.prefilling, *self.waiting, *self.arriving]
         self.active, self.prefilling, self.waiting, self.arriving = [], [], deque(), []
         self.kv_tokens = self.decode_kv = 0.0
+        self.prefix_cache.clear()
+        self.cached_tokens = 0.0
         return seqs
 
     def _recount_kv(self) -> None:

@@ -85,7 +85,9 @@ class PolicyRun:
             config.train_factors,
         )
         total_weight = sum(instance_weight(rollout_cost, i.tp) for i in layout.instances)
-        cmlfq_config = layout.cmlfq_config(derived_queue_length(config, policy, total_weight))
+        cmlfq_config = layout.cmlfq_config(
+            derived_queue_length(config, policy, total_weight), config.cmlfq_demote
+        )
         router = make_router(policy.router, cmlfq_config)
         self.cluster = RolloutCluster(
             router,
@@ -190,6 +192,8 @@ class PolicyRun:
             steps=self.steps,
             migrations=self.cluster.num_migrations,
             migration_s=self.cluster.migration_s,
+            prefix_evictions=self.cluster.prefix_evictions,
+            evicted_prefill_tokens=self.cluster.evicted_prefill_tokens,
             busy_by_tp=self._busy_by_tp(),
             tokens_by_tp=self._tokens_by_tp(),
             turns=self.cluster.num_turns,
@@ -297,7 +301,9 @@ class AsyncRun(PolicyRun):
     def run(self) -> None:
         from libra.training.staleness import StalenessGate
 
-        self.gate = StalenessGate(self.staleness_bound, self.batch.global_batch)
+        # A policy that names its own staleness (one-step off-policy, on-policy) keeps exactly it.
+        tail = self.config.tail_staleness if self.policy.max_staleness is None else 0
+        self.gate = StalenessGate(self.staleness_bound, self.batch.global_batch, tail_staleness=tail)
         self.buffer: deque[LiveTrajectory] = deque()
         self.trainer_busy = False
         self.trainer_free_at = 0.0

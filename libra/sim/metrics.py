@@ -68,6 +68,10 @@ class SimResult:
     migrations: int = 0
     migration_s: float = 0.0
     """Seconds of KV transfers (`kv_move`); re-prefills count as rollout busy time instead."""
+    prefix_evictions: int = 0
+    """Prefix-cache entries rollout instances evicted to make room."""
+    evicted_prefill_tokens: float = 0.0
+    """Tokens re-prefilled because a trajectory's cached prefix had been evicted."""
     busy_by_tp: dict[int, float] = field(default_factory=dict)
     """Rollout busy device-seconds per instance TP size."""
     tokens_by_tp: dict[int, float] = field(default_factory=dict)

@@ -6,7 +6,8 @@ router's buckets, built with the real planner (search, cost models, plan placeme
   throughput that still holds the longest context -- on the planned split (disaggregated) or on
   every device (colocated).
 - FIXED_PATTERN: the original's hand-made layout, a fixed share of nodes training and each
-  rollout node split into a fixed pattern of TP sizes with C-MLFQ's default thresholds.
+  rollout node split into a fixed pattern of TP sizes, with thresholds fitted to the buckets'
+  capacity (`libra.planner.routing_thresholds`) or the original's (`PolicySpec.original_thresholds`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 from libra.planner.config import PlanningProblem, RequestRecord, TrainingBatch
 from libra.planner.plan import Plan, RolloutInstance, place_rollout
 from libra.planner.rollout_cost import RolloutCostModel
+from libra.planner.routing_thresholds import capacity_thresholds
 from libra.planner.search import search
 from libra.planner.training_cost import (
     SequenceStats,
@@ -46,9 +48,11 @@ class Layout:
     def bucket_of(self, tp: int) -> int:
         return bucket_of(self.bucket_tps, tp)
 
-    def cmlfq_config(self, max_queue_length: int) -> CmlfqConfig:
+    def cmlfq_config(self, max_queue_length: int, demote: bool) -> CmlfqConfig:
         return CmlfqConfig(
-            buckets=bucket_configs(self.bucket_tps, self.thresholds), max_queue_length=max_queue_length
+            buckets=bucket_configs(self.bucket_tps, self.thresholds),
+            max_queue_length=max_queue_length,
+            demote=demote,
         )
 
 
@@ -139,7 +143,12 @@ def build_layout(
         training = best_training_config(config, config.batch, history, n_train)
         sizes = [tp for _ in range(config.num_nodes - train_nodes) for tp in config.fixed_node_pattern]
         tps = tuple(sorted(set(sizes)))
-        thresholds = _strictly_increasing([DEFAULT_THRESHOLDS.get(tp, 2**20) for tp in tps])
+        if policy.original_thresholds:
+            thresholds = _strictly_increasing([DEFAULT_THRESHOLDS.get(tp, 2**20) for tp in tps])
+        else:
+            cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
+            counts = [(tp, sizes.count(tp)) for tp in tps]
+            thresholds = capacity_thresholds(cost, counts, history, config.cmlfq_demote)
         return Layout(training, tuple(range(n_train)), place_rollout(n_train, n, dpn, sizes), tps, thresholds)
     if initial_plan is None:
         raise ValueError(f"policy {policy.name} needs the planner's initial plan")

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from libra.sim.config import ABLATIONS, BASELINES, HETEROGENEOUS_ABLATION, POLICIES
+from libra.sim.config import ABLATIONS, BASELINES, HETEROGENEOUS_ABLATION, POLICIES, ROUTER_COMPARISONS
 from libra.sim.runner import Comparison
 
 
 def comparison_table(comparison: Comparison) -> str:
-    """One row per policy: throughput, step time and its breakdown, idle shares, tail, staleness."""
+    """One row per policy: throughput, step time and its breakdown, idle shares, tail, staleness,
+    movement (migrations, and prefixes evicted from the instances' caches with the tokens that
+    cost in re-prefill)."""
     rows = [
         "| policy | trained tok/s | traj/s | step s | train s | wait s | stall s | ideal s | step/ideal "
         "| idle train | idle rollout | tail share | staleness mean/max | dropped (share) | migrations/turn "
-        "| plans applied |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prefix evictions (re-prefilled tok) | plans applied |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in comparison.results.items():
         b = r.breakdown()
@@ -25,7 +27,8 @@ def comparison_table(comparison: Comparison) -> str:
             f"| {r.step_s / r.ideal_step_s:.2f} "
             f"| {r.idle_share('train'):.0%} | {r.idle_share('rollout'):.0%} | {r.tail_share:.0%} "
             f"| {mean_stale:.2f}/{max(r.staleness, default=0)} | {r.dropped} ({r.dropped_share:.1%}) "
-            f"| {r.migrations / max(r.turns, 1):.1%} | {r.plans_applied} |"
+            f"| {r.migrations / max(r.turns, 1):.1%} "
+            f"| {r.prefix_evictions} ({r.evicted_prefill_tokens:.0f}) | {r.plans_applied} |"
         )
     return "\n".join(rows)
 
@@ -39,16 +42,17 @@ def speedup_lines(comparison: Comparison, reference: str = "libra") -> list[str]
             lines.append(
                 f"- {reference} / {other}: {comparison.speedup(reference, other):.2f}x trained tokens/s"
             )
-    cmlfq, least_load = HETEROGENEOUS_ABLATION
+    least_load = HETEROGENEOUS_ABLATION[1]
     if least_load in comparison.results:  # the other policy in the table; it can beat full Libra
         lines.append(
             f"- {reference} / {least_load}: {comparison.speedup(reference, least_load):.2f}x trained tokens/s"
         )
-    if cmlfq in comparison.results and least_load in comparison.results:
-        lines.append(
-            f"- on the fixed heterogeneous layout, C-MLFQ / least-load ({cmlfq} / {least_load}): "
-            f"{comparison.speedup(cmlfq, least_load):.2f}x trained tokens/s"
-        )
+    for policy, baseline, label in ROUTER_COMPARISONS:
+        if policy in comparison.results and baseline in comparison.results:
+            lines.append(
+                f"- {label} ({policy} / {baseline}): "
+                f"{comparison.speedup(policy, baseline):.2f}x trained tokens/s"
+            )
     r = comparison.results[reference]
     lines.append(
         f"- {reference} step time / ideal lower bound (no idle device): {r.step_s / r.ideal_step_s:.2f}"

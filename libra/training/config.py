@@ -90,16 +90,22 @@ class TrainingConfig:
     """Recompute pi_old under the current weights at the start of a step (the ratio's
     denominator); False: use the rollout engine's logprobs as pi_old."""
     max_staleness: int = 1
-    """No trajectory is trained on whose oldest token came from a policy more than this many
-    versions behind the trainer; also bounds how many rollouts may be in flight."""
+    """How far rollout runs ahead: groups are launched while at most this many versions ahead of
+    the trainer, so a trajectory that finishes in its turn is at most this stale."""
+    tail_staleness: int = 0
+    """Versions beyond `max_staleness` allowed to the trajectories that outlive their turn (the
+    long ones): no trajectory is trained on whose oldest token came from a policy more than
+    max_staleness + tail_staleness versions behind the trainer, but the launch depth (and the
+    rollouts in flight) stay those of `max_staleness`. 0: the tail is dropped or waited for."""
     staleness_mode: str = "drop"
     """How the bound is kept in the job. `drop`: the trainer never waits; a group that finishes too
     stale is dropped, whole (biased against the long trajectories that finish last). `wait`: the
-    trainer does not take a step that would leave a group launched `max_staleness` versions ago
-    too stale until that group has finished, so no finished trajectory is thrown away; the steps
-    wait for the tail instead. Measured on the embedded default (30 steps, one run each): `drop`
-    799 trained tokens/s with 2.4 % of finished trajectories dropped, `wait` 636 tokens/s with
-    none dropped, the same held-out reward after."""
+    trainer does not take a step that would leave a group launched max_staleness + tail_staleness
+    versions ago too stale until that group has finished, so no finished trajectory is thrown
+    away; the steps wait for the tail instead. Measured on the embedded default without a tail
+    (30 steps, one run each): `drop` 799 trained tokens/s with 2.4 % of finished trajectories
+    dropped, `wait` 636 tokens/s with none dropped, the same held-out reward after. A tail of a
+    few versions usually keeps nearly all of them without the wait (`docs/scheduling.md`)."""
     train_batch_size: int | None = None
     """Trajectories consumed per train step (the staleness gate's capacity unit). In a run's config
     it is derived, `job.prompts_per_step x job.group_size` (`LibraConfig.resolved`): leave it
@@ -146,6 +152,8 @@ class TrainingConfig:
             raise ValueError(f"training.grad_clip must be >= 0, got {self.grad_clip}")
         if self.max_staleness < 0:
             raise ValueError(f"training.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.tail_staleness < 0:
+            raise ValueError(f"training.tail_staleness must be >= 0, got {self.tail_staleness}")
         if self.staleness_mode not in STALENESS_MODES:
             raise ValueError(
                 f"training.staleness_mode must be one of {STALENESS_MODES}, got {self.staleness_mode!r}"

@@ -113,7 +113,7 @@ class TrainEngine:
         """What runs forward and backward."""
         self.optimizer = _build_optimizer(self.ddp_model, cfg) if with_optimizer else None
         self._forward_backward = get_forward_backward_func()
-        self.gate = StalenessGate(cfg.max_staleness, cfg.train_batch_size)
+        self.gate = StalenessGate(cfg.max_staleness, cfg.train_batch_size, tail_staleness=cfg.tail_staleness)
         self.ref_model = None
         self._ref_forward = None
         self._dp_group = ps.get_data_parallel_group()

@@ -4,11 +4,17 @@ Pure bookkeeping (no tensors, no clocks) with a serialisable state that is saved
 checkpoint.
 
 - Admission: a trajectory is admitted at trainer version v when every model token in it came from
-  a policy version >= v - max_staleness (its *oldest* version counts: a trajectory resumed across
-  a weight update carries several).
+  a policy version >= v - (max_staleness + tail_staleness) (its *oldest* version counts: a
+  trajectory resumed across a weight update carries several).
 - Capacity: rollouts may be started only while
       started - dropped < (version + max_staleness + 1) * batch_size,
-  i.e. no rollout is begun that would be too stale by the time the trainer reaches it.
+  i.e. no rollout is begun that would be too stale by the time the trainer reaches it if it
+  finished in its turn.
+- The tail: `tail_staleness` extra versions are allowed to the trajectories that finish late (the
+  long ones), not to the launch depth. With 0 a long trajectory that outlives its turn is dropped
+  (or waited for); a few versions of tail keep nearly all of them at the same launch depth, so
+  the rollout side runs no further ahead, and the bound on any token's age stays
+  max_staleness + tail_staleness (AReaL bounds the same age, without a separate launch depth).
 - Restart: the counters and the version are persisted. Rollouts in flight at the checkpoint do
   not survive a restart, so `load_state_dict` releases their slots by default; forgetting the
   counters instead (the usual bug) lets the first post-restart round over-commit the rollout side
@@ -37,14 +43,28 @@ class StalenessState:
 
 
 class StalenessGate:
-    def __init__(self, max_staleness: int, batch_size: int, state: StalenessState | None = None):
+    def __init__(
+        self,
+        max_staleness: int,
+        batch_size: int,
+        state: StalenessState | None = None,
+        tail_staleness: int = 0,
+    ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if tail_staleness < 0:
+            raise ValueError(f"tail_staleness must be >= 0, got {tail_staleness}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.max_staleness = max_staleness
+        self.tail_staleness = tail_staleness
         self.batch_size = batch_size
         self.state = state or StalenessState()
+
+    @property
+    def bound(self) -> int:
+        """The most versions any trained token may lag the trainer."""
+        return self.max_staleness + self.tail_staleness
 
     @property
     def version(self) -> int:
@@ -64,7 +84,7 @@ class StalenessGate:
         return granted
 
     def is_fresh(self, oldest_policy_version: int | None) -> bool:
-        """Within `max_staleness` of the trainer. A trajectory with no model tokens (None) is
+        """Within `bound` versions of the trainer. A trajectory with no model tokens (None) is
         fresh: nothing in it was sampled by an old policy."""
         if oldest_policy_version is None:
             return True
@@ -73,7 +93,7 @@ class StalenessGate:
                 f"trajectory policy version {oldest_policy_version} is ahead of the trainer's "
                 f"{self.state.version}"
             )
-        return self.state.version - oldest_policy_version <= self.max_staleness
+        return self.state.version - oldest_policy_version <= self.bound
 
     def admit(self, oldest_versions: list[int | None]) -> list[bool]:
         """Decides each finished trajectory; rejected ones free their slots (counted dropped).
@@ -104,8 +124,8 @@ class StalenessGate:
     def must_train(self, started_version: int) -> bool:
         """Whether a group launched when the trainer was at `started_version` must be in the next
         step's batch: after that step its tokens (none older than that version) would be past
-        `max_staleness`."""
-        return started_version <= self.state.version - self.max_staleness
+        the `bound`."""
+        return started_version <= self.state.version - self.bound
 
     def drop(self, count: int) -> None:
         """Frees slots of trajectories discarded for another reason (e.g. dynamic sampling)."""
@@ -118,7 +138,12 @@ class StalenessGate:
         return self.state.version
 
     def state_dict(self) -> dict[str, int]:
-        return {**asdict(self.state), "max_staleness": self.max_staleness, "batch_size": self.batch_size}
+        return {
+            **asdict(self.state),
+            "max_staleness": self.max_staleness,
+            "tail_staleness": self.tail_staleness,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, saved: dict[str, int], release_in_flight: bool = True) -> None:
         """Restores the counters and version. `release_in_flight`: rollouts in flight when the state

@@ -29,7 +29,7 @@ EXTERNALLY_PLANNED = [
 candidates, with no periodic checkpoint in the way."""
 
 ONE_INSTANCE = [
-    "job.rollout_tp_sizes=1",
+    "job.rollout_tp_sizes=",  # planned: on two slots, the train rank and one TP-1 instance
     "backend.num_devices=2",
     "job.checkpoint_interval=0",
     "job.live_progress=false",

@@ -1,8 +1,10 @@
-"""A shortened run of the embedded default (configs/tiny_cpu.py) end to end: its layout (a Megatron
-train rank, a TP-1 and a TP-2 rollout bucket under C-MLFQ, the planner in the loop), its batch and
-learning rate, for 20 steps with a held-out evaluation before the first and after the last; the
-TP-2 rollout instance is SIGKILLed in the first step's rollouts. (Resuming from a checkpoint is
-`test_controller_kill.py`'s.)
+"""A shortened run of the embedded default (configs/tiny_cpu.py) end to end: a Megatron train rank,
+rollout instances in a TP-1 and a TP-2 bucket under C-MLFQ (a TP-2 + TP-1 launch, stated: the
+planner would launch three TP-1 instances, and the loss of a two-worker instance is what is
+tested here), the planner in the loop, its batch, learning rate and staleness, for 20 steps with a
+held-out evaluation before the first and after the last; the TP-2 rollout instance is SIGKILLed
+in the first step's rollouts. (Resuming from a checkpoint is `test_controller_kill.py`'s; the
+planned launch is `test_environment_job.py`'s and `tests/job/test_problem.py`'s.)
 
 It learns (issue #10): the warm-started policy skips its tool on a share of its sampled
 trajectories (`WarmStartConfig.direct_answer_fraction`) and then almost always fails; GRPO teaches
@@ -55,6 +57,7 @@ KILL_AFTER_S = 2.0
 planner, which acts at step boundaries, cannot have changed the layout yet), and early, so that
 the restarted instance (30-60 s to start on a loaded 2-core box) rejoins before the run ends."""
 OVERRIDES = [
+    "job.rollout_tp_sizes=2,1",
     f"job.num_steps={NUM_STEPS}",
     f"job.checkpoint_interval={CHECKPOINT_INTERVAL}",
     "job.live_progress=false",
@@ -196,7 +199,7 @@ def test_versions_advance_and_instances_run_the_trainers_weights(run_dir):
     diffs = [s["logprob_abs_diff"] for s in measured]
     assert measured and min(diffs) < 1e-5, diffs
     assert max(diffs) < 1e-3, diffs
-    assert max(s["mean_staleness"] for s in steps) <= 1.0  # max_staleness 1
+    assert max(s["mean_staleness"] for s in steps) <= 2.0  # max_staleness 1 + tail_staleness 1
 
 
 def test_job_progress_is_followed_through_the_controller_api(run_dir, job_events):

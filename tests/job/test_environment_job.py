@@ -191,6 +191,9 @@ def test_the_trainer_steps_on_the_environments_trajectories(environment_run):
     run_dir, _, _ = environment_run
     steps = read_jsonl(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, NUM_STEPS + 1))
+    # `job.rollout_tp_sizes` empty: the planner chose the launch's instances (on two slots, one).
+    planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "launch_planned"]
+    assert [e["tp_sizes"] for e in planned] == [[1]], planned
     for step in steps:
         assert step["num_trajectories"] > 0 and step["generated_tokens"] > 0
         assert math.isfinite(step["loss"]) and step["grad_norm"] > 0

@@ -21,7 +21,7 @@ from libra.job.cluster import Placement
 from libra.job.fleet import Fleet, WorkerKind
 from libra.job.instances import RolloutInstances
 from libra.job.planning import JobPlanning, RankHybridControl, StepTimes, unsupported
-from libra.job.problem import cluster_spec, model_arch, planning_problem
+from libra.job.problem import cluster_spec, model_arch, planned_rollout_sizes, planning_problem
 from libra.job.train_ranks import TrainRankGroup
 from libra.planner import Planner, RequestRecord
 from libra.planner.actions import ActionResult, ExecutionReport, Outcome, RunningWorker
@@ -432,3 +432,22 @@ def test_rollout_load_counts_what_engines_decode_and_what_queues_behind_them(mod
         assert planning._rollout_load() == (10, 0, 64)
 
     asyncio.run(scenario())
+
+
+def test_the_planner_lays_out_the_launch_when_no_tp_sizes_are_given(model_dir):
+    """`job.rollout_tp_sizes` empty: the planner's search on the devices training leaves, among the
+    buckets' TP sizes. On the default four slots its model picks three TP-1 instances over TP-2 +
+    TP-1; with only a TP-2 bucket it must use TP-2, leaving a slot idle rather than break the
+    buckets."""
+    config = load_config("configs/tiny_cpu.py", ["job.rollout_tp_sizes="])
+    assert config.job.rollout_tp_sizes == ()
+    sizes, plan = planned_rollout_sizes(config, planning_problem(config, model_dir))
+    assert sizes == (1, 1, 1) and plan.training.devices == (0,)
+    only_tp2 = dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, buckets=(BucketConfig("tp2", 2, 4096),))
+    )
+    sizes, plan = planned_rollout_sizes(only_tp2, planning_problem(only_tp2, model_dir))
+    assert sizes == (2,) and len(plan.idle_devices) == 1
+    four_ranks = load_config("configs/tiny_cpu.py", ["job.rollout_tp_sizes=", "training.data_parallel=4"])
+    with pytest.raises(ValueError, match=r"0 devices left after training's 4.*set job.rollout_tp_sizes"):
+        planned_rollout_sizes(four_ranks, planning_problem(four_ranks, model_dir))

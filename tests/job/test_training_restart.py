@@ -1,5 +1,6 @@
 """A plan that changes the core training layout restarts training inside the run: the embedded
-default (train rank on device 0, a TP-1 instance on 1, a TP-2 instance on 2-3) is told by an
+default launched as TP-2 + TP-1 (train rank on device 0, a TP-1 instance on 1, a TP-2 instance on
+2-3) is told by an
 external controller (`ProposePlan`) to train with TP 2 on devices 0-1. The job drains the TP-1
 instance, and at a step boundary checkpoints the rank, stops it, starts two TP-2 ranks, loads the
 checkpoint (Megatron's distributed checkpoint, resharded from TP 1 to TP 2), and publishes the
@@ -36,6 +37,7 @@ BATCH = 8
 RESTART_AFTER_STEP = 2
 OVERRIDES = [
     *EXTERNALLY_PLANNED,
+    "job.rollout_tp_sizes=2,1",
     f"job.num_steps={NUM_STEPS}",
     "job.prompts_per_step=2",
     "job.group_size=4",

@@ -165,12 +165,23 @@ class ReferenceCmlfq:
                 reason = Reason.MEAN_P90_DISAGREE
             elif by_mean == live.bucket:
                 reason = Reason.STAY_SAME_BUCKET
+            elif by_mean < live.bucket and not self.config.demote:
+                reason = Reason.DEMOTION_HELD
             else:
                 target = by_mean
                 reason = Reason.MIGRATE_UP if by_mean > live.bucket else Reason.MIGRATE_DOWN
-        if target == live.bucket and live.instance is not None and self.instances[live.instance].ready:
-            return Decision(trajectory_id, live.bucket, live.instance, reason, False)
+        if live.instance is not None and self.instances[live.instance].ready:
+            if target == live.bucket:
+                return Decision(trajectory_id, live.bucket, live.instance, reason, False)
+            if not self.has_room(target):
+                return Decision(trajectory_id, live.bucket, live.instance, Reason.TARGET_FULL_STAY, False)
         return self.move(trajectory_id, target, reason)
+
+    def has_room(self, bucket: int) -> bool:
+        return any(
+            i.ready and i.bucket == bucket and i.active < self.config.max_queue_length * i.weight
+            for i in self.instances.values()
+        )
 
     def on_finish(self, trajectory_id: str, total_output_tokens: int) -> None:
         live = self.live[trajectory_id]
@@ -226,6 +237,8 @@ class ReferenceCmlfq:
             _, _, count, total, p90 = prediction
             target = self.bucket_for_mean(count, total)
             if target != self.bucket_for(p90) or target == live.bucket:
+                continue
+            if target < live.bucket and not self.config.demote:
                 continue
             if not placed:
                 live.bucket = target

@@ -40,6 +40,7 @@ def configs(draw: st.DrawFn) -> CmlfqConfig:
         rebuild_window=draw(st.integers(1, 30)),
         rebuild_interval=draw(st.integers(0, 8)),
         max_queue_length=draw(st.integers(1, 4)),
+        demote=draw(st.booleans()),
     )
 
 

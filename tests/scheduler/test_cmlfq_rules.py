@@ -88,7 +88,7 @@ def test_migrates_only_when_mean_and_p90_agree() -> None:
 
 
 def test_migrates_up_then_down_as_remaining_work_changes() -> None:
-    router = make_router()
+    router = make_router(demote=True)
     for _ in range(5):
         learn(router, "p", [FAIL, PASS], [5030, 5000, 20])  # failing: much left; validated: little
     router.admit("t", "p")
@@ -143,18 +143,54 @@ def test_saturated_bucket_falls_back_to_nearest_bucket_then_any_instance() -> No
 
 
 def test_fallback_prefers_the_larger_of_two_equally_near_buckets() -> None:
-    router = make_router((0, 1, 2), max_queue_length=1)
+    router = make_router((0, 0, 1, 2), max_queue_length=1)
     for _ in range(3):
         learn(router, "p", [SEARCH], [560, 500])  # SEARCH -> medium bucket
     router.admit("blocker", "p")
     router.on_tool_return("blocker", SEARCH, 60)  # now on the only medium instance
-    router.admit("t", "p")
+    assert router.admit("t", "p").instance_id == 0
+    router.set_instance_ready(0, False)  # t must move: its instance is gone
     decision = router.on_tool_return("t", SEARCH, 60)
     assert (decision.bucket, decision.instance_id, decision.reason) == (
         2,
-        2,
+        3,
         Reason.BUCKET_SATURATED_FALLBACK,
     )
+
+
+def test_a_trajectory_whose_target_bucket_is_full_stays_on_its_instance() -> None:
+    """Falling back to another bucket than the one the prediction chose would pay the move (a
+    re-prefill or KV transfer) for nothing: the trajectory keeps its instance and its cache."""
+    router = make_router((0, 1, 2), max_queue_length=1)
+    for _ in range(3):
+        learn(router, "p", [SEARCH], [560, 500])  # SEARCH -> medium bucket
+    router.admit("blocker", "p")
+    router.on_tool_return("blocker", SEARCH, 60)  # fills the only medium instance
+    router.admit("t", "p")
+    stay = router.on_tool_return("t", SEARCH, 60)
+    assert (stay.bucket, stay.instance_id, stay.reason, stay.migrated) == (
+        0,
+        0,
+        Reason.TARGET_FULL_STAY,
+        False,
+    )
+    assert [load.active for load in router.instance_loads()] == [1, 1, 0]
+    router.on_finish("blocker", 600)  # room again: the next tool return moves it
+    moved = router.on_tool_return("t", SEARCH, 90)
+    assert (moved.bucket, moved.instance_id, moved.reason, moved.migrated) == (1, 1, Reason.MIGRATE_UP, True)
+
+
+def test_without_demotion_a_trajectory_only_moves_up() -> None:
+    """`demote=False`: a near-finished trajectory keeps the large instance holding its long
+    context; promotions are unchanged."""
+    router = make_router(demote=False)
+    for _ in range(5):
+        learn(router, "p", [FAIL, PASS], [5030, 5000, 20])
+    router.admit("u", "p")
+    up = router.on_tool_return("u", FAIL, 30)
+    assert (up.bucket, up.instance_id, up.reason, up.migrated) == (2, 3, Reason.MIGRATE_UP, True)
+    held = router.on_tool_return("u", PASS, 5010)
+    assert (held.bucket, held.instance_id, held.reason, held.migrated) == (2, 3, Reason.DEMOTION_HELD, False)
 
 
 def test_no_ready_instance_leaves_the_trajectory_unplaced() -> None:

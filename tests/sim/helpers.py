@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from libra.planner.config import ModelArch, PlannerConfig, SearchConfig, TrainingBatch, TriggerPolicy
+from libra.planner.rollout_cost import RolloutCostModel
+from libra.scheduler.cmlfq import CmlfqRouter
+from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.tool_state import ToolReturnState
 from libra.sim.config import MovementCosts, SimConfig
+from libra.sim.engine import RolloutCluster
+from libra.sim.instance import Instance
 from libra.sim.workloads import WorkloadConfig
 from libra.trace import TrajectoryTrace, TurnTrace
 from libra.trajectory import ToolStatus
@@ -54,3 +60,26 @@ def trace(
     turns = [TurnTrace(o, "tool", payload, ToolStatus.FAILURE, tool_latency) for o in outputs[:-1]]
     turns.append(TurnTrace(outputs[-1]))
     return TrajectoryTrace(trajectory_id, prompt_id, group, prompt, tuple(turns))
+
+
+def migrating_cluster(
+    cost: RolloutCostModel, migration: str, second_devices: tuple[int, ...] = (2, 3), bandwidth: float = 0.0
+) -> tuple[RolloutCluster, Instance, Instance]:
+    """i0 (TP-1, device 0) serves short paths, i1 (TP-2) long ones; the router has learnt that
+    after a failing tool return of 20 tokens 500 tokens remain, so a trajectory's turn after one
+    migrates from i0 to i1."""
+    cmlfq = CmlfqConfig(
+        buckets=(BucketConfig("a", 1, 100), BucketConfig("b", 2, 100000)), max_queue_length=100
+    )
+    router = CmlfqRouter(cmlfq)
+    cluster = RolloutCluster(
+        router, cmlfq, cost, max_batch=256, migration=migration, kv_move_bandwidth_bytes_per_s=bandwidth
+    )
+    i0 = cluster.add_instance("i0", 1, 0, (0,), ready_at=0.0)
+    i1 = cluster.add_instance("i1", 2, 1, second_devices, ready_at=0.0)
+    state = ToolReturnState.of("tool", ToolStatus.FAILURE, 20, cmlfq)
+    for n in range(3):
+        router.admit(f"learned{n}", "p0")
+        router.on_tool_return(f"learned{n}", state, 100)
+        router.on_finish(f"learned{n}", 600)
+    return cluster, i0, i1

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from libra.cli import main
@@ -5,7 +7,13 @@ from libra.planner.config import PlannerConfig, TrainingBatch
 from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
-from libra.sim.calibration import DecodeSample, TrainSample, calibrate
+from libra.sim.calibration import (
+    DecodeSample,
+    LatencyRun,
+    TrainSample,
+    calibrate,
+    calibrate_rollout_by_vllm,
+)
 from tests.sim.helpers import tiny_config
 
 
@@ -50,3 +58,82 @@ def test_libra_simulate_writes_a_report(tmp_path):
 def test_libra_simulate_rejects_a_missing_config(tmp_path, capsys):
     assert main(["simulate", str(tmp_path / "none.py")]) == 2
     assert "config file not found" in capsys.readouterr().err
+
+
+def _bench_latency_s(cost: RolloutCostModel, factors, tp, batch, input_len, output_len) -> float:
+    """What a vLLM latency run takes on hardware with `factors`, summed step by step (the
+    calibration prices it at the mean context instead): the batch's prefill in one pass (its
+    FLOPs and all-reduces times the batch, one pass's floors and overhead), then each decode step
+    at its own context."""
+    one = cost.prefill(tp, input_len)
+    prefill = (
+        batch * (one.compute_s / factors.compute + one.communication_s / factors.communication)
+        + one.latency_s
+        + factors.overhead_s
+    )
+    decode = sum(cost.decode_step(tp, batch, input_len + i).seconds(factors) for i in range(1, output_len))
+    return prefill + decode
+
+
+def _write_runs(tmp_path, truth, settings) -> list[str]:
+    config = tiny_config()
+    cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), EfficiencyFactors())
+    specs = []
+    for tp, batch, input_len, output_len in settings:
+        seconds = _bench_latency_s(cost, truth, tp, batch, input_len, output_len)
+        path = tmp_path / f"tp{tp}-b{batch}-in{input_len}.json"
+        path.write_text(json.dumps({"avg_latency": seconds, "latencies": [seconds] * 3, "percentiles": {}}))
+        specs.append(f"{path}:tp={tp},batch={batch},input={input_len},output={output_len}")
+    return specs
+
+
+SWEEP = [(tp, b, i, 128) for tp in (1, 2, 4) for b in (1, 16, 64) for i in (512, 4096)]
+
+
+def test_vllm_latency_files_calibrate_the_rollout_factors(tmp_path):
+    """A sweep of TP x batch x context in `vllm bench latency` files, made by hardware with known
+    factors, is fitted back to those factors, every run held out predicted within 1 %."""
+    config = tiny_config()
+    truth = EfficiencyFactors(compute=0.4, memory=0.7, communication=0.5, overhead_s=0.003)
+    runs = [LatencyRun.parse(spec) for spec in _write_runs(tmp_path, truth, SWEEP)]
+    factors, errors = calibrate_rollout_by_vllm(config.cluster, config.model, PlannerConfig(), runs)
+    assert factors.compute == pytest.approx(0.4, rel=1e-3)
+    assert factors.memory == pytest.approx(0.7, rel=1e-3)
+    assert factors.communication == pytest.approx(0.5, rel=1e-3)
+    assert factors.overhead_s == pytest.approx(0.003, rel=1e-3)
+    assert len(errors) == len(SWEEP) and all(abs(e.relative_error) < 0.01 for e in errors)
+
+
+def test_libra_simulate_runs_calibrated_by_vllm_files(tmp_path, capsys):
+    truth = EfficiencyFactors(compute=0.4, memory=0.7, communication=0.5, overhead_s=0.003)
+    specs = _write_runs(tmp_path, truth, SWEEP[:6])
+    cfg = tmp_path / "sim_tiny.py"
+    cfg.write_text(
+        "from tests.sim.helpers import tiny_config\n"
+        "def sim_config():\n    return tiny_config(num_steps=2, policies=('libra',))\n"
+    )
+    args = ["simulate", str(cfg), "--no-plots", "--out", str(tmp_path / "out")]
+    assert main([*args, *(x for spec in specs for x in ("--calibrate-vllm", spec))]) == 0
+    out = capsys.readouterr().out
+    assert "rollout factors fitted to 6 vLLM runs: compute 0.4, memory 0.7" in out
+    assert "overhead 3 ms a step" in out and "held out" in out
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("runs.json", "expected FILE:tp=K"),
+        ("{good}:tp=2,batch=8,input=64", "missing output"),
+        ("{good}:tp=2,batch=8,input=64,output=0", "'output=0' is not one of"),
+        ("{good}:tp=2,bs=8,input=64,output=8", "'bs=8' is not one of"),
+        ("{missing}:tp=1,batch=1,input=1,output=2", "cannot read"),
+        ("{other}:tp=1,batch=1,input=1,output=2", "no positive avg_latency"),
+    ],
+)
+def test_vllm_latency_spec_errors_name_what_is_wrong(tmp_path, spec, message):
+    good, other = tmp_path / "good.json", tmp_path / "other.json"
+    good.write_text(json.dumps({"avg_latency": 1.5}))
+    other.write_text(json.dumps({"requests_per_second": 3.0}))
+    spec = spec.format(good=good, other=other, missing=tmp_path / "none.json")
+    with pytest.raises(ValueError, match=message):
+        LatencyRun.parse(spec)

@@ -13,7 +13,7 @@ from libra.scheduler.tool_state import ToolReturnState
 from libra.sim.engine import RolloutCluster
 from libra.sim.instance import Instance, Sequence, StepCoefficients
 from libra.trajectory import ToolStatus
-from tests.sim.helpers import tiny_config, trace
+from tests.sim.helpers import migrating_cluster, tiny_config, trace
 
 
 def make_cluster(num_instances=1, tp=1, max_batch=256, token_budget=2048):
@@ -262,6 +262,26 @@ def test_removing_an_instance_cuts_and_resumes_turns():
     assert sum(i.decoded_tokens for i in cluster.all_instances()) == pytest.approx(800, rel=1e-6)
 
 
+def test_trajectories_that_found_no_ready_instance_run_once_instances_are_ready():
+    """A re-plan that replaces every instance leaves a window with none ready: trajectories
+    admitted (or back from a tool) in it wait unplaced, then run -- spread over every instance
+    that became ready, not piled on the first one (once they were never run at all, and the
+    simulated run stalled with its heap empty)."""
+    cluster, _ = make_cluster(num_instances=1)
+    done = []
+    cluster.on_finish = done.append
+    cluster.start(trace("early", [50, 50], prompt=10, tool_latency=0.2))
+    cluster.schedule(0.01, cluster.remove_instance, 0)
+    for i in range(1, 3):
+        cluster.schedule(0.02, cluster.add_instance, f"new{i}", 1, 0, (i,), 1.0)
+    for i in range(6):
+        cluster.schedule(0.03, cluster.start, trace(f"t{i}", [40], prompt=10))
+    cluster.run_until(lambda: False)
+    assert sorted(t.trajectory_id for t in done) == ["early", *(f"t{i}" for i in range(6))]
+    assert all(t.finished_at > 1.0 for t in done)
+    assert sorted(inst.decoded_tokens > 0 for inst in cluster.instances.values()) == [True, True]
+
+
 def test_bucket_update_moves_a_running_turn_and_keeps_its_tokens():
     """A re-plan relabels buckets: the router moves a trajectory whose path now points to the
     other bucket; its turn in flight is cut on the old instance and resumes on the new one with
@@ -297,24 +317,10 @@ def test_bucket_update_moves_a_running_turn_and_keeps_its_tokens():
 
 
 def _migrating_cluster(migration: str, second_devices: tuple[int, ...], bandwidth: float = 0.0):
-    """i0 (TP-1, device 0) serves short paths, i1 (TP-2) long ones; the router has learnt that
-    after the tool return 500 tokens remain, so turn 2 of a trajectory migrates to i1."""
+    """`migrating_cluster` running one trajectory whose second turn migrates to i1."""
     config = tiny_config()
     cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS)
-    cmlfq = CmlfqConfig(
-        buckets=(BucketConfig("a", 1, 100), BucketConfig("b", 2, 100000)), max_queue_length=100
-    )
-    router = CmlfqRouter(cmlfq)
-    cluster = RolloutCluster(
-        router, cmlfq, cost, max_batch=256, migration=migration, kv_move_bandwidth_bytes_per_s=bandwidth
-    )
-    cluster.add_instance("i0", 1, 0, (0,), ready_at=0.0)
-    cluster.add_instance("i1", 2, 1, second_devices, ready_at=0.0)
-    state = ToolReturnState.of("tool", ToolStatus.FAILURE, 20, cmlfq)
-    for n in range(3):
-        router.admit(f"learned{n}", "p0")
-        router.on_tool_return(f"learned{n}", state, 100)
-        router.on_finish(f"learned{n}", 600)
+    cluster, _, _ = migrating_cluster(cost, migration, second_devices, bandwidth)
     done = []
     cluster.on_finish = done.append
     cluster.start(trace("a", [100, 500], prompt=10, payload=20, tool_latency=0.5))

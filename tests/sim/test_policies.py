@@ -84,6 +84,24 @@ def test_waiting_for_the_tail_keeps_every_finished_trajectory():
     assert results["drop"].dropped > 0 and max(results["drop"].staleness) <= bound
 
 
+def test_a_tail_bound_keeps_the_late_trajectories_within_it():
+    """`tail_staleness` 2 on top of max_staleness 1: fewer finished trajectories dropped than
+    with none, no trained token older than the whole bound, and the rollout side launches no
+    further ahead (the same trajectories started per step)."""
+    results = {
+        tail: run_comparison(
+            tiny_config(num_steps=8, tail_staleness=tail, policies=("libra", "disaggregated_static")),
+            log=lambda line: None,
+        ).results
+        for tail in (0, 2)
+    }
+    bound = tiny_config().batch.max_staleness
+    assert results[0]["libra"].dropped > results[2]["libra"].dropped
+    assert max(results[0]["libra"].staleness) <= bound < max(results[2]["libra"].staleness) <= bound + 2
+    # A policy that names its own staleness (one-step off-policy) keeps exactly it.
+    assert max(results[2]["disaggregated_static"].staleness) <= 1
+
+
 def test_tail_batching_aborts_the_tail_and_reruns_it():
     config = tiny_config(num_steps=8, policies=("tail_batching",))
     r = run_comparison(config, log=lambda line: None).results["tail_batching"]

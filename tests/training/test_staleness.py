@@ -101,3 +101,29 @@ def test_bad_arguments():
         StalenessGate(max_staleness=-1, batch_size=1)
     with pytest.raises(ValueError, match="batch_size"):
         StalenessGate(max_staleness=0, batch_size=0)
+
+
+def test_the_tail_bound_admits_late_trajectories_without_deepening_the_launch():
+    """tail_staleness t: a trajectory may be max_staleness + t versions old when trained (the long
+    ones that outlive their turn), but no more rollouts start than with t = 0, and a step waits
+    only for groups that would pass the whole bound."""
+    plain = StalenessGate(max_staleness=1, batch_size=4)
+    tail = StalenessGate(max_staleness=1, batch_size=4, tail_staleness=2)
+    assert tail.bound == 3 and plain.bound == 1
+    for gate in (plain, tail):
+        assert gate.try_start(100) == 8  # the launch depth is max_staleness's
+        for _ in range(4):
+            gate.on_train_step(0)
+    assert plain.capacity() == tail.capacity() == 16  # (4 + 1 + 1) x 4 - 8 started
+    assert plain.admit([4, 3, 2, 1]) == [True, True, False, False]
+    assert tail.admit([4, 3, 2, 1]) == [True, True, True, True]
+    assert tail.admit([0]) == [False]  # 4 versions behind: past the bound
+    assert [tail.must_train(v) for v in range(4)] == [True, True, False, False]
+    assert [plain.must_train(v) for v in range(4)] == [True, True, True, True]
+
+
+def test_tail_staleness_is_saved_and_checked():
+    gate = StalenessGate(max_staleness=1, batch_size=4, tail_staleness=2)
+    assert gate.state_dict()["tail_staleness"] == 2
+    with pytest.raises(ValueError, match="tail_staleness must be >= 0"):
+        StalenessGate(max_staleness=1, batch_size=4, tail_staleness=-1)
