@@ -31,9 +31,16 @@ const PrefixTree* CausalModel::find_prompt_tree(const std::string& prompt) const
 PrefixTree& CausalModel::prompt_tree(const std::string& prompt) { return prompt_entry(prompt)->second.tree; }
 
 void CausalModel::learn(CompletedTrajectory completed) {
-  prompt_tree(completed.prompt).insert(completed.path, completed.remaining);
-  global_.insert(completed.path, completed.remaining);
+  insert(completed);
   append_history(std::move(completed));
+}
+
+// A completion that never called a tool teaches nothing about tool returns: in its prompt's tree it
+// would be a root-only history that shadows the global tree's deeper matches for that prompt's
+// next trajectories, so it goes to the global tree only.
+void CausalModel::insert(const CompletedTrajectory& completed) {
+  if (!completed.path.empty()) prompt_tree(completed.prompt).insert(completed.path, completed.remaining);
+  global_.insert(completed.path, completed.remaining);
 }
 
 void CausalModel::append_history(CompletedTrajectory completed) {
@@ -44,10 +51,7 @@ void CausalModel::append_history(CompletedTrajectory completed) {
 void CausalModel::rebuild() {
   global_.clear();
   for (auto& [prompt, entry] : prompts_) entry.tree.clear();
-  for (const CompletedTrajectory& completed : history_) {
-    prompt_tree(completed.prompt).insert(completed.path, completed.remaining);
-    global_.insert(completed.path, completed.remaining);
-  }
+  for (const CompletedTrajectory& completed : history_) insert(completed);
   drop_unused_prompts();
   generation_ += 1;
 }

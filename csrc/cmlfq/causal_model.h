@@ -55,6 +55,7 @@ class CausalModel {
   PromptHandle prompt_entry(const std::string& prompt);
   PrefixTree& prompt_tree(const std::string& prompt);
   void append_history(CompletedTrajectory completed);
+  void insert(const CompletedTrajectory& completed);
   void drop_unused_prompts();
 
   uint32_t p90_window_;

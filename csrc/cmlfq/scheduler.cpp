@@ -4,8 +4,8 @@
 // what its tools have returned (a failing test, a timeout, a huge traceback are causes of more
 // turns). Every trajectory is admitted to the smallest bucket, as an MLFQ starts every job at top
 // priority. At each tool return we append the tool-return state to the trajectory's causal path,
-// find the deepest node of the prefix tree matching that path (the prompt's own tree once the
-// prompt has history, else the global tree) and map both the node's mean and its P90 remaining
+// find the deepest node of the prefix tree matching that path (the prompt's own tree once one of its
+// trajectories completed after a tool call, else the global tree) and map both the node's mean and its P90 remaining
 // tokens to buckets: the smallest bucket whose threshold is at least the value, the last bucket
 // above all thresholds. Only when the two agree, and differ from the current bucket, does the
 // trajectory move, up or down; disagreement means the node's history is too spread out to act on.

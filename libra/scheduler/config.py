@@ -47,7 +47,10 @@ class CmlfqConfig:
     medium_payload_max_tokens: int = 12000
     """... at most this many `SizeClass.MEDIUM`; longer ones `SizeClass.LARGE`."""
     p90_window: int = 200
-    """Recent samples per prefix-tree node that the P90 of remaining tokens is taken over."""
+    """Recent samples per prefix-tree node that the P90 of remaining tokens is taken over. The P90
+    is the nearest-rank one, the ceil(0.9 n)-th smallest of the n samples: always a count some
+    trajectory really had (an interpolated quantile between a short and a very long trajectory
+    names neither), exact in integers, and the same in the C++ core and its Python reference."""
     rebuild_window: int = 5000
     """Completed trajectories kept; a rebuild relearns the trees from exactly these."""
     rebuild_interval: int = 2000

@@ -105,7 +105,8 @@ class ReferenceCmlfq:
     # Learning.
 
     def learn(self, prompt: str, path: list[int], remaining: list[int]) -> None:
-        self.prompt_trees.setdefault(prompt, Tree(self.config.p90_window)).insert(path, remaining)
+        if path:  # a completion without tool returns is no history of its prompt
+            self.prompt_trees.setdefault(prompt, Tree(self.config.p90_window)).insert(path, remaining)
         self.global_tree.insert(path, remaining)
         self.history.append((prompt, path, remaining))
 

@@ -376,3 +376,20 @@ def test_concurrent_callers_keep_the_load_table_consistent() -> None:
     assert router.num_live == 0
     assert all(load.active == 0 for load in router.instance_loads())
     assert router.predict("p", []).count == 5 + 4 * 300
+
+
+def test_a_completion_without_tool_calls_does_not_shadow_the_global_tree() -> None:
+    """A prompt whose only completion never called a tool has no history of tool returns: its
+    next trajectories are predicted from the global tree's deeper match, not from a root-only
+    prompt tree (which would say "about as long as that one answer" at every tool return)."""
+    router = make_router()
+    for _ in range(3):
+        learn(router, "other", [SEARCH], [5030, 5000])
+    router.admit("quick", "p")
+    router.on_finish("quick", 40)  # answered without a tool
+    prediction = router.predict("p", [SEARCH])
+    assert prediction is not None and not prediction.from_prompt_tree
+    assert (prediction.depth, prediction.mean_remaining_tokens) == (1, 5000)
+    learn(router, "p", [SEARCH], [80, 50])  # once it has called a tool, its own tree counts
+    own = router.predict("p", [SEARCH])
+    assert own is not None and own.from_prompt_tree and (own.depth, own.mean_remaining_tokens) == (1, 50)
