@@ -2,7 +2,9 @@
 host (`bash scripts/launch_cpu.sh`, or `libra run configs/tiny_cpu.py`). Four CPU slots: one
 Megatron train rank (slot 0) and rollout instances on the other three, as the planner lays them out
 (`job.rollout_tp_sizes` empty: its cost model picks three TP-1 instances over TP-2 + TP-1 here,
-where a TP-2 instance is no faster), routed by C-MLFQ over a TP-1 and a TP-2 bucket; async GRPO
+where a TP-2 instance is no faster); C-MLFQ has a TP-1 and a TP-2 bucket, and places trajectories
+over the TP-1 instances until a plan starts a TP-2 one (the `2,1` layout below routes between
+them); async GRPO
 with staleness 1 (and one more version for the trajectories that finish late), weights published
 every step, the planner in the loop (it keeps this layout or moves a slot to an elastic hybrid
 training replica, by its cost model and the measured steps), a held-out evaluation before the

@@ -194,6 +194,8 @@ std::vector<std::pair<TrajectoryId, Decision>> Scheduler::update_buckets(
       trajectory.bucket = choice.bucket;  // placed there when rerouted
       continue;
     }
+    // As at a tool return: a full target would only pay the move for a fallback placement.
+    if (instances_.is_ready(trajectory.instance) && !instances_.has_room(choice.bucket)) continue;
     moved.emplace_back(id, move_to(trajectory, choice.bucket, choice.reason));
   }
   return moved;

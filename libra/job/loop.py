@@ -125,6 +125,8 @@ class GrpoJob:
         self.recorder = RunRecorder(self.run_dir, trackers, prometheus=self._start_prometheus())
         try:
             await self.workers.start(self.recorder)
+            # The launch may have filled in the planner's rollout layout (`job.rollout_tp_sizes`).
+            self.config, self.job = self.workers.config, self.workers.job
             self.recorder.publish_to(self.workers.cluster.controller.events)
             self._start_planning()
             self.stream = TaskStream(self.workers.source.tasks, self.job.seed)

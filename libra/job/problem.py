@@ -61,6 +61,7 @@ def planning_problem(config: LibraConfig, model_dir: Path) -> PlanningProblem:
             distributed_optimizer=config.training.use_distributed_optimizer,
             recompute=config.training.recompute,
             max_staleness=config.training.max_staleness,
+            tail_staleness=config.training.tail_staleness,
         ),
         history=(RequestRecord(turn, turn),),
         # What `libra.training.hybrid` pairs: training grows past it by a restart.

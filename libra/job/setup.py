@@ -145,7 +145,8 @@ class JobWorkers:
 
     def _plan_launch_layout(self) -> None:
         """`job.rollout_tp_sizes` empty: the planner's choice of rollout instances becomes the
-        job's (every later reader of the config sees it), said in an event."""
+        job's config (the parts built after this read it, and the loop takes it when the workers
+        have started; the trackers' copy, logged before, keeps the empty field), said in an event."""
         from libra.job.problem import planned_rollout_sizes, planning_problem
 
         problem = self.planning_problem or planning_problem(self.config, self.source.model_dir)

@@ -199,8 +199,12 @@ class TrainingBatch:
     recompute_logprobs: bool = True
     """One extra forward-only pass per step for the old policy's log-probs."""
     max_staleness: int = 0
-    """The asynchronous loop's staleness bound: a trajectory may span max_staleness + 1 training
-    steps, so its own latency bounds the step time only divided by that (0: synchronous)."""
+    """How far the asynchronous loop launches ahead: global_batch x (max_staleness + 1)
+    trajectories in flight (0: synchronous)."""
+    tail_staleness: int = 0
+    """Versions a late trajectory may lag beyond `max_staleness` and still be trained on: a
+    trajectory may span max_staleness + tail_staleness + 1 training steps, so its own latency
+    bounds the step time only divided by that."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.group_size < 1:
@@ -212,8 +216,11 @@ class TrainingBatch:
             raise ValueError(
                 f"batch.group_size ({self.group_size}) must divide batch.global_batch ({self.global_batch})"
             )
-        if self.max_staleness < 0:
-            raise ValueError(f"batch.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness < 0 or self.tail_staleness < 0:
+            raise ValueError(
+                f"batch.max_staleness and tail_staleness must be >= 0, got {self.max_staleness}, "
+                f"{self.tail_staleness}"
+            )
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"batch.recompute must be none, selective or full, got {self.recompute!r}")
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:

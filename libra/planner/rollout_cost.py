@@ -12,7 +12,7 @@ Per instance of TP size k (all figures per device unless said otherwise):
   with the TP size, are what a large TP size pays for reading fewer weights per device: the
   anchor table (`tests/planner/test_rollout_anchors.py`) holds the single-stream speed-ups they
   leave to what published engines measure. Compute and memory time are added (not overlapped),
-  which keeps calibration linear and overstates large batches (about 1.5x at batch 64).
+  which keeps calibration linear and overstates large batches (about 1.6x at batch 64).
 - Prefill of p tokens: 2 * params * p + 2 * layers * p^2 * query_dim FLOPs (causal attention),
   plus the same two all-reduces per layer, of p tokens' activations each.
 

@@ -282,11 +282,12 @@ def build_rollout_space(
     cost = RolloutCostModel(problem.cluster, problem.model, problem.config, factors)
     sizes = [k for k in problem.config.search.rollout_tp_sizes if problem.cluster.devices_per_node % k == 0]
     # Per step: a training step consumes global_batch trajectories, so the history's work is
-    # scaled to that many; with bounded staleness a trajectory may span max_staleness + 1 steps.
+    # scaled to that many; with bounded staleness a trajectory may span max_staleness +
+    # tail_staleness + 1 steps, while launches keep global_batch x (max_staleness + 1) in flight.
     work_scale = problem.batch.global_batch / len(problem.history)
-    latency_window = problem.batch.max_staleness + 1
+    latency_window = problem.batch.max_staleness + problem.batch.tail_staleness + 1
     work, latency = {}, {}
-    in_flight = problem.batch.global_batch * latency_window
+    in_flight = problem.batch.global_batch * (problem.batch.max_staleness + 1)
     for k in sizes:
         decoding = (
             None

@@ -19,6 +19,7 @@ factors (`libra simulate CONFIG --calibrate-vllm FILE:tp=..,batch=..,input=..,ou
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,8 @@ class LatencyRun:
                     f"--calibrate-vllm {spec!r}: {item!r} is not one of "
                     f"{', '.join(k + '=N' for k in cls._SETTINGS)} with N >= 1"
                 )
+            if key.strip() in values:
+                raise ValueError(f"--calibrate-vllm {spec!r}: {key.strip()} is given twice")
             values[key.strip()] = int(value)
         missing = [k for k in cls._SETTINGS if k not in values]
         if missing:
@@ -197,10 +200,32 @@ def calibrate(
 def calibrate_rollout_by_vllm(
     cluster: ClusterSpec, model: ModelArch, planner: PlannerConfig, runs: list[LatencyRun]
 ) -> tuple[EfficiencyFactors, list[HeldOutError]]:
-    """Rollout factors fitted to vLLM latency runs, and each run's error when it is held out
-    (empty for a single configuration). Communication is fitted only when a run has TP > 1."""
+    """Rollout factors fitted to vLLM latency runs, and each run's error when it is held out.
+    Communication is fitted only when a run has TP > 1. Refused, naming why: fewer distinct
+    settings than factors to fit, a run faster than the profile's fixed floors alone, and a fit
+    that cannot tell the factors apart (an efficiency of infinity)."""
     if not runs:
         raise ValueError("calibration needs at least one vLLM latency run")
     rows = latency_measurements(cluster, model, planner, runs)
-    errors = holdout_errors(rows) if len({m.group for m in rows}) > 1 else []
-    return fit_factors(rows), errors
+    for row in rows:
+        if row.measured_s <= row.breakdown.latency_s:
+            raise ValueError(
+                f"{row.label}: measured {row.measured_s:.4g} s, below the {row.breakdown.latency_s:.4g} s "
+                f"the {cluster.profile.name} profile's fixed floors alone take (engine step overhead and "
+                "all-reduce latency per step): check the run's settings, or lower the profile's floors"
+            )
+    settings = len({m.group for m in rows})
+    fitted = 3 + any(r.tp > 1 for r in runs)  # compute, memory, overhead (+ communication)
+    if settings < fitted:
+        raise ValueError(
+            f"fitting {fitted} rollout factors needs runs of at least {fitted} different settings "
+            f"(batch sizes and contexts; TP sizes for communication), got {settings}"
+        )
+    factors = fit_factors(rows)
+    degenerate = [n for n in ("compute", "memory", "communication") if not math.isfinite(getattr(factors, n))]
+    if degenerate and (degenerate != ["communication"] or fitted == 4):
+        raise ValueError(
+            f"the runs do not separate the {', '.join(degenerate)} time from the rest (fitted efficiency "
+            "infinite): add runs whose batch size or context differs more"
+        )
+    return factors, holdout_errors(rows)

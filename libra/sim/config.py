@@ -287,7 +287,7 @@ class SimConfig:
     staleness_mode: str = "drop"
     """As the job's `training.staleness_mode`, for the asynchronous policies: `drop` (the trainer
     never waits; trajectories finishing too stale are dropped) or `wait` (it waits for
-    trajectories launched `max_staleness` versions ago; none is dropped)."""
+    trajectories launched max_staleness + tail_staleness versions ago; none is dropped)."""
     tail_staleness: int = 0
     """As the job's `training.tail_staleness`, for the asynchronous policies that take the
     config's staleness (not those naming their own, `PolicySpec.max_staleness`): versions beyond

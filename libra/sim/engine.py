@@ -158,7 +158,9 @@ class RolloutCluster:
         self.instances[inst.instance_id] = inst
         ready = ready_at <= self.now
         self.router.add_instance(inst.instance_id, bucket, ready=ready, weight=self.weight(tp))
-        if not ready:
+        if ready:
+            self.reroute_unplaced()  # those an earlier removal left waiting
+        else:
             self.schedule(ready_at, self._instance_ready, inst)
         return inst
 
@@ -226,6 +228,15 @@ class RolloutCluster:
         inst.admit_waiting()
         self._reschedule(inst)
         return True
+
+    def publish(self, version: int) -> None:
+        """Instances serve `version` from now on: turns that start take it, and every prefix cache
+        is emptied (the job's engines reset theirs on a weight update)."""
+        self.version = version
+        for inst in self.instances.values():
+            inst.advance(self.now)
+            inst.drop_prefix_cache()
+            self._reschedule(inst)
 
     def reroute_unplaced(self) -> None:
         for key in sorted(self.unplaced):

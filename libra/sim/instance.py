@@ -39,7 +39,8 @@ The KV capacity is shared with a prefix cache, as under vLLM's automatic prefix 
 that ends (at a tool call, or the trajectory's last) frees its KV, but it stays cached, keyed by
 trajectory, in least-recently-used order: it counts against the capacity yet is evictable, and a
 sequence admitted, or a decode that grows, evicts the oldest entries it needs room for -- never
-more, and none when evicting them all would not make room. Were cached KV not counted, every
+more (all of them when the KV held alone overflows, as an empty instance admitting an oversized
+head does). Were cached KV not counted, every
 trajectory waiting in a tool would hold its prefix for free, overstating what an instance holds on
 agentic workloads. A turn that counts on its previous turn's KV (`Sequence.cached`) looks it up when it
 is admitted, as vLLM's scheduler does when it takes a request off the queue: it may have been
@@ -47,7 +48,9 @@ evicted while the turn waited there, and is then prefilled again (`evicted_prefi
 the entry a trajectory's last turn left is a hit; an older one, left on an instance the
 trajectory has since moved away from, is dropped when it comes back and prefills its whole
 context (vLLM would find their common prefix). A turn taken off the instance (cut to resume
-elsewhere, or aborted) frees its KV uncached, and a stopped instance's cache is gone.
+elsewhere, or aborted) frees its KV uncached, and a stopped instance's cache is gone. New weights
+empty the cache (`drop_prefix_cache`), as the job's engines reset theirs when they load a version:
+KV computed by the old weights is no prefix of the new policy's.
 """
 
 from __future__ import annotations
@@ -401,6 +404,13 @@ class Instance:
                 self.waiting.remove(seq)
                 return seq
         return None
+
+    def drop_prefix_cache(self) -> None:
+        """New weights: every cached prefix is stale (call `advance(now)` first); the room it held
+        may admit queued sequences."""
+        self.prefix_cache.clear()
+        self.cached_tokens = 0.0
+        self.admit_waiting()
 
     def take_all(self) -> list[Sequence]:
         """Removes every sequence (the instance is stopped: in-flight turns are cut, the cache is gone)."""

@@ -75,6 +75,12 @@ class PolicyRun:
             if policy.mode is Mode.COLOCATED_SYNC
             else (config.batch.max_staleness if policy.max_staleness is None else policy.max_staleness)
         )
+        # A policy that names its own staleness (one-step off-policy, on-policy) keeps exactly it.
+        self.tail = (
+            config.tail_staleness
+            if policy.mode is not Mode.COLOCATED_SYNC and policy.max_staleness is None
+            else 0
+        )
         self.ledger = DeviceLedger(config.num_devices)
         rollout_cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
         self.train_cost = TrainingCostModel(
@@ -290,7 +296,7 @@ class SyncRun(PolicyRun):
 
     def _next_round(self) -> None:
         self.step += 1
-        self.cluster.version = self.step
+        self.cluster.publish(self.step)
         if self.step < self.config.num_steps:
             self._begin_round()
 
@@ -301,9 +307,7 @@ class AsyncRun(PolicyRun):
     def run(self) -> None:
         from libra.training.staleness import StalenessGate
 
-        # A policy that names its own staleness (one-step off-policy, on-policy) keeps exactly it.
-        tail = self.config.tail_staleness if self.policy.max_staleness is None else 0
-        self.gate = StalenessGate(self.staleness_bound, self.batch.global_batch, tail_staleness=tail)
+        self.gate = StalenessGate(self.staleness_bound, self.batch.global_batch, tail_staleness=self.tail)
         self.buffer: deque[LiveTrajectory] = deque()
         self.trainer_busy = False
         self.trainer_free_at = 0.0
@@ -412,7 +416,7 @@ class AsyncRun(PolicyRun):
         self.last_step_end = self.cluster.now
         self.gate.on_train_step(self.batch.global_batch)
         self.step += 1
-        self.cluster.version = self.gate.version
+        self.cluster.publish(self.gate.version)
         if self.planner is not None and self.step < self.config.num_steps:
             self._observe(train_s, rollout_s)
         self._start_groups()
@@ -442,7 +446,9 @@ class AsyncRun(PolicyRun):
         unequal, group-granular shares (`SearchConfig.uneven_data_parallel`); without it a
         re-split restarts training into Megatron DP groups of equal shares."""
         history = tuple(self.history)
-        return planning_problem(self.config, history, self.staleness_bound, elastic=self.policy.elastic)
+        return planning_problem(
+            self.config, history, self.staleness_bound, elastic=self.policy.elastic, tail_staleness=self.tail
+        )
 
     def _on_planner_event(self, event) -> None:
         if event.kind == "rejected":  # the trigger's reason and the planner's rule

@@ -57,15 +57,21 @@ class Layout:
 
 
 def planning_problem(
-    config: SimConfig, history: tuple[RequestRecord, ...], max_staleness: int, elastic: bool = False
+    config: SimConfig,
+    history: tuple[RequestRecord, ...],
+    max_staleness: int,
+    elastic: bool = False,
+    tail_staleness: int | None = None,
 ) -> PlanningProblem:
     """The planner's problem for the config. `elastic`: the policy has the elastic hybrid pool
     (the design's k-replica pool, unbounded), whose replicas take group-granular unequal shares,
     so training may take DP sizes that do not divide the batch's groups
     (`SearchConfig.uneven_data_parallel`). Without it (and for the launch plan) training forms
     Megatron DP groups with equal shares, and the pool pairs nothing: every training change is a
-    restart."""
-    batch = replace(config.batch, max_staleness=max_staleness)
+    restart. `tail_staleness`: the policy's (None: the config's, which the policies that take the
+    config's staleness use)."""
+    tail = config.tail_staleness if tail_staleness is None else tail_staleness
+    batch = replace(config.batch, max_staleness=max_staleness, tail_staleness=tail)
     search = replace(config.planner.search, uneven_data_parallel=elastic)
     pool = HybridPoolLimits() if elastic else HybridPoolLimits(per_core_replica=0)
     return PlanningProblem(

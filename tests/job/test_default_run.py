@@ -4,7 +4,7 @@ planner would launch three TP-1 instances, and the loss of a two-worker instance
 tested here), the planner in the loop, its batch, learning rate and staleness, for 20 steps with a
 held-out evaluation before the first and after the last; the TP-2 rollout instance is SIGKILLed
 in the first step's rollouts. (Resuming from a checkpoint is `test_controller_kill.py`'s; the
-planned launch is `test_environment_job.py`'s and `tests/job/test_problem.py`'s.)
+planned launch is `test_environment_job.py`'s and `test_planning_parts.py`'s.)
 
 It learns (issue #10): the warm-started policy skips its tool on a share of its sampled
 trajectories (`WarmStartConfig.direct_answer_fraction`) and then almost always fails; GRPO teaches

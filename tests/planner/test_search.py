@@ -188,3 +188,18 @@ def test_device_count_equals_the_full_dp_bit_for_bit():
                 full = space.min_devices(float(target), cap)[0]
                 assert space.min_device_count(float(target), cap) == full
                 assert space.min_device_count(float(target), cap) == full  # the remembered one
+
+
+def test_the_tail_bound_widens_the_latency_window_not_the_launch():
+    """`tail_staleness` t: a trajectory may span s + t + 1 steps, so its latency weighs 1/(s+t+1)
+    of a step; the trajectories in flight (what fills the batches, hence the work) stay those of
+    the launch depth s."""
+    problem = _problem_at(48)
+    batch = dataclasses.replace(problem.batch, max_staleness=1)
+    plain = dataclasses.replace(problem, batch=batch)
+    tailed = dataclasses.replace(problem, batch=dataclasses.replace(batch, tail_staleness=2))
+    a = build_rollout_space(plain, DEFAULT_ROLLOUT_FACTORS, 16)
+    b = build_rollout_space(tailed, DEFAULT_ROLLOUT_FACTORS, 16)
+    for k in a.tp_sizes:
+        np.testing.assert_allclose(b.work[k], a.work[k])
+        np.testing.assert_allclose(b.latency[k], a.latency[k] * 2 / 4)

@@ -244,6 +244,8 @@ class ReferenceCmlfq:
             if not placed:
                 live.bucket = target
                 continue
+            if self.instances[live.instance].ready and not self.has_room(target):
+                continue
             reason = Reason.MIGRATE_UP if target > live.bucket else Reason.MIGRATE_DOWN
             moved.append(self.move(trajectory_id, target, reason))
         return moved

@@ -32,6 +32,22 @@ def test_trajectories_move_where_their_path_now_points() -> None:
     assert (decision.instance_id, decision.migrated) == (2, False)
 
 
+def test_a_trajectory_whose_new_bucket_is_full_stays_where_it_runs() -> None:
+    """As at a tool return: with the TP-8 bucket's one instance at its cap, the trajectory that
+    should move there keeps its instance (a fallback elsewhere would pay the move for nothing)."""
+    router = make_router((0, 1, 2), max_queue_length=1)
+    for _ in range(5):
+        learn(router, "p", [FAIL], [3000, 800])
+    router.admit("blocker", "p")
+    router.admit("after-fail", "p")
+    assert router.on_tool_return("after-fail", FAIL, 2200).instance_id == 1
+    # The new plan puts instance 0 (holding "blocker") in the TP-8 bucket, where 800 now belongs.
+    moved = router.update_buckets(TWO_BUCKETS, {0: 1, 1: 0, 2: 0})
+    assert moved == []
+    loads = {load.instance_id: (load.bucket, load.active) for load in router.instance_loads()}
+    assert loads == {0: (1, 1), 1: (0, 1), 2: (0, 0)}
+
+
 def test_an_unplaced_trajectory_takes_its_new_bucket_when_rerouted() -> None:
     router = make_router((0, 2))
     for _ in range(3):

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from libra.sim.calibration import (
     TrainSample,
     calibrate,
     calibrate_rollout_by_vllm,
+    latency_measurements,
 )
 from tests.sim.helpers import tiny_config
 
@@ -126,6 +128,7 @@ def test_libra_simulate_runs_calibrated_by_vllm_files(tmp_path, capsys):
         ("{good}:tp=2,batch=8,input=64", "missing output"),
         ("{good}:tp=2,batch=8,input=64,output=0", "'output=0' is not one of"),
         ("{good}:tp=2,bs=8,input=64,output=8", "'bs=8' is not one of"),
+        ("{good}:tp=2,batch=8,input=64,output=8,tp=1", "tp is given twice"),
         ("{missing}:tp=1,batch=1,input=1,output=2", "cannot read"),
         ("{other}:tp=1,batch=1,input=1,output=2", "no positive avg_latency"),
     ],
@@ -137,3 +140,31 @@ def test_vllm_latency_spec_errors_name_what_is_wrong(tmp_path, spec, message):
     spec = spec.format(good=good, other=other, missing=tmp_path / "none.json")
     with pytest.raises(ValueError, match=message):
         LatencyRun.parse(spec)
+
+
+def test_vllm_calibration_refuses_what_it_cannot_fit(tmp_path):
+    """Too few settings for the factors, a run faster than the profile's floors, and runs that
+    cannot tell compute from memory are refused, naming why, instead of fitting nonsense."""
+    config = tiny_config()
+    truth = EfficiencyFactors(compute=0.4, memory=0.7, communication=0.5, overhead_s=0.003)
+    runs = [LatencyRun.parse(spec) for spec in _write_runs(tmp_path, truth, SWEEP)]
+
+    def fit(selected):
+        return calibrate_rollout_by_vllm(config.cluster, config.model, PlannerConfig(), selected)
+
+    with pytest.raises(ValueError, match=r"needs runs of at least 3 different settings .*, got 1"):
+        fit(runs[:1])
+    with pytest.raises(ValueError, match="needs runs of at least 4 different settings"):
+        fit([r for r in runs if r.batch == 1][:2] + [r for r in runs if r.tp == 2][:1])
+    too_fast = dataclasses.replace(runs[0], measured_s=1e-4)
+    with pytest.raises(ValueError, match="below the .* profile's fixed floors"):
+        fit([too_fast, *runs[1:]])
+    # Runs that the fixed floors and a per-step overhead explain alone: no compute or memory time
+    # is left to fit (their efficiencies would come out infinite).
+    rows = latency_measurements(config.cluster, config.model, PlannerConfig(), runs)
+    overhead_only = [
+        dataclasses.replace(r, measured_s=m.breakdown.latency_s + 0.003 * m.breakdown.overhead_steps)
+        for r, m in zip(runs, rows, strict=True)
+    ]
+    with pytest.raises(ValueError, match="do not separate"):
+        fit(overhead_only)

@@ -282,6 +282,19 @@ def test_trajectories_that_found_no_ready_instance_run_once_instances_are_ready(
     assert sorted(inst.decoded_tokens > 0 for inst in cluster.instances.values()) == [True, True]
 
 
+def test_an_instance_added_ready_takes_the_trajectories_a_removal_left_unplaced():
+    """A re-plan that stops the only instance, then starts one that is ready at once (no start
+    cost): the cut turn resumes there."""
+    cluster, _ = make_cluster(num_instances=1)
+    done = []
+    cluster.on_finish = done.append
+    cluster.start(trace("a", [100], prompt=10))
+    cluster.schedule(0.01, cluster.remove_instance, 0)
+    cluster.schedule(0.01, cluster.add_instance, "new", 1, 0, (1,), 0.0)
+    cluster.run_until(lambda: False)
+    assert [t.trajectory_id for t in done] == ["a"] and not cluster.unplaced
+
+
 def test_bucket_update_moves_a_running_turn_and_keeps_its_tokens():
     """A re-plan relabels buckets: the router moves a trajectory whose path now points to the
     other bucket; its turn in flight is cut on the old instance and resumes on the new one with

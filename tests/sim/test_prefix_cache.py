@@ -80,6 +80,20 @@ def test_a_prefix_survives_a_tool_call_and_the_next_turn_prefills_only_the_tool_
     assert dict(inst.prefix_cache) == {traj.key: pytest.approx(130)}
 
 
+def test_new_weights_empty_the_cache_and_the_next_turn_prefills_its_whole_context():
+    """The job's engines reset their prefix cache when they load a version: a trajectory whose
+    tool call spans a publication prefills its 50 tokens again, not only the tool's 20."""
+    cluster, _, inst = one_instance_cluster(capacity=1000)
+    done = []
+    cluster.on_finish = done.append
+    cluster.start(trace("a", [40, 60], prompt=10, tool_latency=2.0, payload=20))
+    cluster.schedule(1.0, cluster.publish, 1)
+    cluster.run_until(lambda: False)
+    assert [t.trajectory_id for t in done] == ["a"] and done[0].versions == [0, 1]
+    assert inst.prefilled_tokens == pytest.approx(10 + 50 + 20)
+    assert cluster.evicted_prefill_tokens == pytest.approx(50)
+
+
 def test_the_least_recently_used_prefix_is_evicted_and_its_turn_re_prefills():
     """Capacity 400. "a" and then "b" end their first turn (110 tokens cached each, "a" the
     older); "c" (200 tokens) needs room and evicts "a" only. "b" comes back from its tool first

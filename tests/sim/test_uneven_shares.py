@@ -77,8 +77,12 @@ def test_growing_by_replicas_with_uneven_shares_is_an_elastic_join():
     launch = initial_plan(config, history, config.batch.max_staleness)
     assert launch.training.config == TrainingConfig(4, 1, 8, 1)
     grown_cfg = TrainingConfig(4, 1, 10, 1)
-    instances = place_rollout(grown_cfg.num_devices, config.num_devices, config.devices_per_node, [8])
-    buckets = (dataclasses.replace(launch.buckets[-1], num_instances=1),)
+    tp = launch.buckets[-1].tp  # rollout keeps its TP size on the devices training leaves it
+    count = (config.num_devices - grown_cfg.num_devices) // tp
+    instances = place_rollout(
+        grown_cfg.num_devices, config.num_devices, config.devices_per_node, [tp] * count
+    )
+    buckets = (dataclasses.replace(launch.buckets[-1], num_instances=count),)
     grown = dataclasses.replace(
         launch, training=TrainingPlacement(grown_cfg), instances=instances, buckets=buckets
     )
