@@ -1,15 +1,15 @@
 """The embedded default: the warm-started tiny policy on procedural tool-use tasks, on one CPU
 host (`bash scripts/launch_cpu.sh`, or `libra run configs/tiny_cpu.py`). Four CPU slots: one
-Megatron train rank (slot 0) and rollout instances on the other three, as the planner lays them out
-(`job.rollout_tp_sizes` empty: its cost model picks three TP-1 instances over TP-2 + TP-1 here,
-where a TP-2 instance is no faster); C-MLFQ has a TP-1 and a TP-2 bucket, and places trajectories
-over the TP-1 instances until a plan starts a TP-2 one (the `2,1` layout below routes between
-them); async GRPO
-with staleness 1 (and one more version for the trajectories that finish late), weights published
-every step, the planner in the loop (it keeps this layout or moves a slot to an elastic hybrid
-training replica, by its cost model and the measured steps), a held-out evaluation before the
-first step and after the last. About 10 minutes on a 2-core machine (about 9 GB of memory);
-`job.num_steps=3` for a short run; `job.rollout_tp_sizes=2,1` for the layout of earlier releases."""
+Megatron train rank (slot 0) and rollout instances on the other three, as the planner lays them
+out (`job.rollout_tp_sizes` empty: its cost model picks three TP-1 instances over TP-2 + TP-1
+here, where a TP-2 instance is no faster); C-MLFQ has a TP-1 and a TP-2 bucket and places
+trajectories over the TP-1 instances until a plan starts a TP-2 one. Async GRPO with staleness 1
+(and one more version for the trajectories that finish late), weights published every step, the
+planner in the loop (it keeps this layout or moves a slot to an elastic hybrid training replica,
+by its cost model and the measured steps), a held-out evaluation before the first step and after
+the last. About 3 minutes of training on a 2-core machine (about 9 GB of memory);
+`job.num_steps=3` for a short run; `job.rollout_tp_sizes=2,1` for the layout of earlier releases
+(C-MLFQ then routes between the two TP sizes)."""
 
 from libra.backends.config import BackendConfig
 from libra.config import LibraConfig
