@@ -11,7 +11,9 @@ idle device) bound, and writes report.md + PNG plots per config under --out. Bef
 free choice of mix (the planner's cost model; the simulated table then shows what the chosen pool
 achieves);
 and "which split wins", at the start of the drift and at its end: whether a re-plan has another
-split to move to. After each table, what full Libra's re-plans found.
+split to move to. After each table, how the planner's candidates scored when it simulated them
+before adopting its initial plan, Libra against the best homogeneous pool with hindsight (every
+TP size run on the planned split), and what full Libra's re-plans found.
 Single-threaded; each 48-device policy takes about 10-30 s of CPU for 100 steps.
 """
 
@@ -70,10 +72,8 @@ def _search_within(problem, search_space, config):
 
 def _plan_cells(plan) -> str:
     """A plan's rollout mix and predicted step, train and rollout seconds, as table cells."""
-    mix = " + ".join(f"{b.num_instances}xTP{b.tp}" for b in plan.buckets if b.num_instances)
-    return (
-        f"{mix} | {plan.predicted_step_s:.1f} | {plan.predicted_train_s:.1f} | {plan.predicted_rollout_s:.1f}"
-    )
+    times = (plan.predicted_step_s, plan.predicted_train_s, plan.predicted_rollout_s)
+    return " | ".join([plan.rollout_mix, *(f"{t:.1f}" for t in times)])
 
 
 def drifted_history(config, progress: float):
@@ -178,6 +178,13 @@ def main() -> int:
         print(f"\n## {config.name} ({time.perf_counter() - started:.0f} s wall)\n")
         if comparison.initial_plan is not None:
             print(comparison.initial_plan.describe() + "\n")
+        rescoring = comparison.initial_rescoring
+        if rescoring is not None:
+            print(
+                f"the planner's candidates simulated for {config.planner_rescore_steps} steps each "
+                f"(trained tok/s, best first; its model's optimum is kept unless another scores "
+                f"{config.planner.policy.rescore_margin:.0%} more): {rescoring.describe()}\n"
+            )
         print(comparison_table(comparison))
         print("\n".join(speedup_lines(comparison)), flush=True)
         print("\nre-planning:\n" + replan_summary(comparison), flush=True)

@@ -18,4 +18,6 @@ def sim_config() -> SimConfig:
         workload=WorkloadConfig(name="r2e", group_size=8, num_prompts=20000),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=20,
+        # The planner simulates its candidate plans for 5 steps each before adopting one.
+        planner_rescore_steps=5,
     )

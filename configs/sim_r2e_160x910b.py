@@ -17,4 +17,6 @@ def sim_config() -> SimConfig:
         workload=WorkloadConfig(name="r2e", group_size=4, num_prompts=4000),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=50,
+        # The planner simulates its candidate plans for 8 steps each before adopting one.
+        planner_rescore_steps=8,
     )

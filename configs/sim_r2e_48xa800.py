@@ -19,4 +19,6 @@ def sim_config() -> SimConfig:
         # The original's 48-GPU experiment re-plans every 5 steps.
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=100,
+        # The planner simulates its candidate plans for 10 steps each before adopting one.
+        planner_rescore_steps=10,
     )

@@ -17,4 +17,6 @@ def sim_config() -> SimConfig:
         workload=WorkloadConfig(name="search_r1", group_size=8),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=100,
+        # The planner simulates its candidate plans for 10 steps each before adopting one.
+        planner_rescore_steps=10,
     )

@@ -39,12 +39,14 @@ void bind_cmlfq(py::module_& m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<Scheduler>(m, "CmlfqScheduler", "The C-MLFQ core; arguments are validated by CmlfqConfig.")
       .def(py::init([](std::vector<int64_t> thresholds, uint32_t max_queue_length, uint32_t p90_window,
-                       uint32_t rebuild_window, uint32_t rebuild_interval, bool demote) {
-             return std::make_unique<Scheduler>(cmlfq::Config{std::move(thresholds), max_queue_length, p90_window,
-                                                              rebuild_window, rebuild_interval, demote});
+                       uint32_t rebuild_window, uint32_t rebuild_interval, bool demote, double kv_full_fraction) {
+             return std::make_unique<Scheduler>(cmlfq::Config{std::move(thresholds), max_queue_length,
+                                                              kv_full_fraction, p90_window, rebuild_window,
+                                                              rebuild_interval, demote});
            }),
            py::arg("bucket_thresholds"), py::arg("max_queue_length"), py::arg("p90_window"),
-           py::arg("rebuild_window"), py::arg("rebuild_interval"), py::arg("demote") = false)
+           py::arg("rebuild_window"), py::arg("rebuild_interval"), py::arg("demote") = false,
+           py::arg("kv_full_fraction") = 0.85)
       .def("admit", [](Scheduler& s, const std::string& t, const std::string& prompt) { return as_tuple(s.admit(t, prompt)); },
            release_gil())
       .def("on_tool_return",
@@ -71,13 +73,17 @@ void bind_cmlfq(py::module_& m) {
            "(trajectory id, (bucket, instance, reason, migrated)) of each trajectory moved, ascending id.")
       .def("thresholds", &Scheduler::thresholds, release_gil())
       .def("set_instance_ready", &Scheduler::set_instance_ready, release_gil())
+      .def("set_instance_kv", &Scheduler::set_instance_kv, release_gil(), py::arg("instance"), py::arg("used"),
+           py::arg("capacity"))
       .def("instance_loads",
            [](const Scheduler& s) {
-             std::vector<std::tuple<cmlfq::InstanceId, uint32_t, uint32_t, bool>> loads;
-             for (const auto& l : s.instance_loads()) loads.emplace_back(l.id, l.bucket, l.active, l.ready);
+             std::vector<std::tuple<cmlfq::InstanceId, uint32_t, uint32_t, bool, int64_t, int64_t>> loads;
+             for (const auto& l : s.instance_loads()) {
+               loads.emplace_back(l.id, l.bucket, l.active, l.ready, l.kv_used, l.kv_capacity);
+             }
              return loads;
            },
-           release_gil(), "(id, bucket, active trajectories, ready) per instance, ascending id.")
+           release_gil(), "(id, bucket, active trajectories, ready, KV used, KV capacity) per instance, ascending id.")
       .def("num_live", &Scheduler::num_live, release_gil())
       .def("predict",
            [](const Scheduler& s, const std::string& prompt, const std::vector<uint64_t>& path)

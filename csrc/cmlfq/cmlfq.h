@@ -46,6 +46,8 @@ struct Decision {
 struct Config {
   std::vector<int64_t> bucket_thresholds;  // max remaining tokens per bucket, strictly increasing
   uint32_t max_queue_length;               // active trajectories per instance before it counts as full
+  // An instance that reported its KV is also full once kv_used >= kv_full_fraction * kv_capacity.
+  double kv_full_fraction = 0.85;
   uint32_t p90_window;                     // samples kept per tree node for the P90
   uint32_t rebuild_window;                 // completed trajectories kept to rebuild the trees from
   uint32_t rebuild_interval;               // completions between automatic rebuilds; 0 = manual only

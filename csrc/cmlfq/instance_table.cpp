@@ -1,6 +1,7 @@
 #include "cmlfq/instance_table.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -12,8 +13,8 @@ bool id_less(const InstanceLoad& load, InstanceId id) { return load.id < id; }
 
 }  // namespace
 
-InstanceTable::InstanceTable(uint32_t num_buckets, uint32_t max_queue_length)
-    : max_queue_length_(max_queue_length), by_bucket_(num_buckets) {}
+InstanceTable::InstanceTable(uint32_t num_buckets, uint32_t max_queue_length, double kv_full_fraction)
+    : max_queue_length_(max_queue_length), kv_full_fraction_(kv_full_fraction), by_bucket_(num_buckets) {}
 
 void InstanceTable::add(InstanceId id, uint32_t bucket, bool ready, uint32_t weight) {
   if (id < 0) throw std::invalid_argument("instance ids must be non-negative");
@@ -59,7 +60,24 @@ void InstanceTable::rebucket(uint32_t num_buckets, const std::vector<std::pair<I
 
 void InstanceTable::set_ready(InstanceId id, bool ready) { at(id).ready = ready; }
 
+void InstanceTable::set_kv(InstanceId id, int64_t used, int64_t capacity) {
+  if (used < 0 || capacity < 0) throw std::invalid_argument("KV tokens must be non-negative");
+  InstanceLoad& load = at(id);
+  load.kv_used = used;
+  load.kv_capacity = capacity;
+  // The product rounded once, as the Python reference computes it, and its ceiling exact: both
+  // sides agree on every report.
+  // (Capacities are at most 2**53, checked by the Python layer: the product stays an exact bound.)
+  load.kv_full_at = std::min<int64_t>(
+      capacity, static_cast<int64_t>(std::ceil(kv_full_fraction_ * static_cast<double>(capacity))));
+}
+
 bool InstanceTable::is_ready(InstanceId id) const { return id != kNoInstance && at(id).ready; }
+
+bool InstanceTable::room(const InstanceLoad& load) const {
+  return uint64_t{load.active} < uint64_t{max_queue_length_} * load.weight &&
+         (load.kv_capacity == 0 || load.kv_used < load.kv_full_at);
+}
 
 bool InstanceTable::has_room(uint32_t bucket) const {
   return bucket < by_bucket_.size() && least_loaded(by_bucket_[bucket], kNoInstance, true) != kNone;
@@ -90,7 +108,7 @@ uint32_t InstanceTable::least_loaded(const std::vector<uint32_t>& candidates, In
   uint32_t best = kNone;
   for (const uint32_t i : candidates) {
     const InstanceLoad& load = instances_[i];
-    if (!load.ready || (capped && uint64_t{load.active} >= uint64_t{max_queue_length_} * load.weight)) continue;
+    if (!load.ready || (capped && !room(load))) continue;
     if (best == kNone) {
       best = i;
       continue;

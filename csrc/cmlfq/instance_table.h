@@ -1,5 +1,6 @@
 // The rollout instances C-MLFQ places trajectories on: which bucket each belongs to, whether it is
-// ready, and how many live trajectories it serves (its load).
+// ready, how many live trajectories it serves (its load) and, where its engine reports it, how
+// much of its KV is in use.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +18,9 @@ struct InstanceLoad {
   uint32_t active;
   bool ready;
   uint32_t weight;  // its capacity relative to the smallest instance's (1 for equal instances)
+  int64_t kv_used = 0;      // KV tokens held or reserved by its running and queued sequences
+  int64_t kv_capacity = 0;  // 0: never reported; judged by its trajectory cap only
+  int64_t kv_full_at = 0;   // ceil(kv_full_fraction * kv_capacity), so the check is one integer compare
 };
 
 struct Placement {
@@ -27,15 +31,19 @@ struct Placement {
 
 class InstanceTable {
  public:
-  InstanceTable(uint32_t num_buckets, uint32_t max_queue_length);
+  InstanceTable(uint32_t num_buckets, uint32_t max_queue_length, double kv_full_fraction);
 
   // weight >= 1: loads compare as active / weight, and the cap is max_queue_length * weight, so a
   // TP-8 instance that holds ten times the sequences of a TP-1 one takes ten times the load.
   void add(InstanceId id, uint32_t bucket, bool ready, uint32_t weight = 1);
   void remove(InstanceId id);
   void set_ready(InstanceId id, bool ready);
+  // What its engine reports (both >= 0; capacity 0 forgets an earlier report). While
+  // kv_used >= kv_full_fraction * kv_capacity it has no room, whatever its trajectory count.
+  void set_kv(InstanceId id, int64_t used, int64_t capacity);
   bool is_ready(InstanceId id) const;  // false for kNoInstance
-  // A ready instance of the bucket has fewer than its cap of live trajectories.
+  // A ready instance of the bucket has room: fewer than its cap of live trajectories and, if it
+  // reported its KV, less than kv_full_fraction of it in use.
   bool has_room(uint32_t bucket) const;
   uint32_t bucket_of(InstanceId id) const { return at(id).bucket; }
   // A new bucket count, and the new bucket of every instance (each named exactly once). Throws
@@ -43,7 +51,7 @@ class InstanceTable {
   void rebucket(uint32_t num_buckets, const std::vector<std::pair<InstanceId, uint32_t>>& buckets);
 
   // Where a trajectory that wants `bucket` goes: the least-loaded (active / weight) ready instance
-  // of that bucket with fewer than max_queue_length * weight trajectories; else the same in the nearest other bucket
+  // of that bucket with room (see has_room); else the same in the nearest other bucket
   // (at equal distance the larger one: a long trajectory on too small a bucket costs more than
   // the reverse); else the least-loaded ready instance anywhere, full or not. Ties go to
   // `previous` (its prefix cache is warm), then to the lowest id.
@@ -59,10 +67,12 @@ class InstanceTable {
 
   InstanceLoad& at(InstanceId id);
   const InstanceLoad& at(InstanceId id) const;
+  bool room(const InstanceLoad& load) const;
   uint32_t least_loaded(const std::vector<uint32_t>& candidates, InstanceId previous, bool capped) const;
   void index_buckets();
 
   uint32_t max_queue_length_;
+  double kv_full_fraction_;
   std::vector<InstanceLoad> instances_;             // sorted by id
   std::vector<std::vector<uint32_t>> by_bucket_;    // indices into instances_, ascending id
   std::vector<uint32_t> all_;                       // every index, ascending id

@@ -14,7 +14,10 @@
 // A trajectory that stays keeps its instance (and its prefix cache) while that instance is ready;
 // so does one whose target bucket is full (a fallback placement elsewhere would pay the move and
 // gain nothing). One that moves is placed by the instance table (least loaded, capped, with
-// fallbacks), as are admissions and trajectories whose instance is gone.
+// fallbacks), as are admissions and trajectories whose instance is gone. An instance is full at
+// its cap of live trajectories or, where its engine reports its KV, once that KV is nearly all in
+// use: on long contexts the small instances' KV fills (and their queues grow) well before their
+// trajectory count reaches the cap.
 #include "cmlfq/scheduler.h"
 
 #include <algorithm>
@@ -34,7 +37,8 @@ Scheduler::Scheduler(Config config)
     : config_(std::move(config)),
       thresholds_(config_.bucket_thresholds),
       model_(config_.p90_window, config_.rebuild_window),
-      instances_(static_cast<uint32_t>(config_.bucket_thresholds.size()), config_.max_queue_length) {}
+      instances_(static_cast<uint32_t>(config_.bucket_thresholds.size()), config_.max_queue_length,
+                 config_.kv_full_fraction) {}
 
 Scheduler::Trajectory& Scheduler::find(const TrajectoryId& trajectory) {
   const auto it = live_.find(trajectory);
@@ -222,6 +226,11 @@ std::vector<TrajectoryId> Scheduler::remove_instance(InstanceId instance) {
 void Scheduler::set_instance_ready(InstanceId instance, bool ready) {
   std::lock_guard lock(mutex_);
   instances_.set_ready(instance, ready);
+}
+
+void Scheduler::set_instance_kv(InstanceId instance, int64_t used, int64_t capacity) {
+  std::lock_guard lock(mutex_);
+  instances_.set_kv(instance, used, capacity);
 }
 
 std::vector<InstanceLoad> Scheduler::instance_loads() const {

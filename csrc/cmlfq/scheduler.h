@@ -50,6 +50,8 @@ class Scheduler {
   // Returns the trajectories that ran there, ascending; they stay live, unplaced, until rerouted.
   std::vector<TrajectoryId> remove_instance(InstanceId instance);
   void set_instance_ready(InstanceId instance, bool ready);
+  // KV tokens the instance's engine holds or reserves, and its capacity (0: no report).
+  void set_instance_kv(InstanceId instance, int64_t used, int64_t capacity);
   std::vector<InstanceLoad> instance_loads() const;
   size_t num_live() const;
 

@@ -1,7 +1,8 @@
 """Everything the loop talks to, built in order: the policy model and tasks (`TaskSource`), the
 cluster, the fleet of its workers, weight publication, the train ranks (`TrainRankGroup`), the
 rollout instances with their pool and router (`RolloutInstances`), the tools and the agent loop;
-and bucket occupancy sampling for the run's records and progress."""
+and bucket occupancy sampling for the run's records and progress (which also feeds each
+instance's KV usage to the router)."""
 
 from __future__ import annotations
 
@@ -187,6 +188,8 @@ class JobWorkers:
             instances = {}
             for instance_id, s in zip(ids, stats, strict=True):
                 if s is not None:
+                    # The router's KV caps see what this sample sees, once a second.
+                    self.pool.report_kv_usage(instance_id, s.kv_cache_usage)
                     bucket = buckets[self.pool.get(instance_id).bucket].name
                     per_bucket[bucket] += s.num_active_requests
                     instances[str(instance_id)] = InstanceSample(

@@ -91,6 +91,13 @@ class ModelArch:
     def query_dim(self) -> int:
         return self.num_attention_heads * self.head_dim
 
+    def serves_at_tp(self, tp: int) -> bool:
+        """Whether a rollout engine can shard the model over `tp` devices: the query heads split
+        evenly, and the KV heads split evenly or are replicated evenly (vLLM's rule; Qwen2.5-7B's
+        28 heads allow TP 1, 2, 4 and 7, not 8)."""
+        heads, kv = self.num_attention_heads, self.num_kv_heads
+        return tp >= 1 and heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
@@ -314,6 +321,9 @@ class TriggerPolicy:
     hysteresis: float = 0.1
     """A pressure trigger re-arms only after its signal fell this far below its threshold."""
     min_gain_ratio: float = 0.05
+    rescore_margin: float = 0.02
+    """With a rescorer (`Planner`), another candidate replaces the model's optimum only when it
+    scores this much higher: a short simulation's ranking of near-equal plans is noise."""
     reconfiguration_cost_s: float = 15.0
     """Prior of the cost of applying a plan that moves rollout instances and hybrid replicas;
     replaced by the measured mean once one is recorded."""
@@ -351,6 +361,8 @@ class TriggerPolicy:
             )
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"planner.policy.hysteresis must be in [0, 1), got {self.hysteresis}")
+        if self.rescore_margin < 0:
+            raise ValueError(f"planner.policy.rescore_margin must be >= 0, got {self.rescore_margin}")
         if self.min_gain_ratio < 0 or self.reconfiguration_cost_s < 0 or self.restart_cost_s < 0:
             raise ValueError(
                 "planner.policy.min_gain_ratio, reconfiguration_cost_s and restart_cost_s must be >= 0"

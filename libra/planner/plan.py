@@ -72,6 +72,17 @@ class Plan:
     search_time_s: float = 0.0
 
     @property
+    def rollout_mix(self) -> str:
+        """E.g. `2xTP4 + 1xTP8`: the rollout instances per TP size."""
+        return " + ".join(f"{b.num_instances}xTP{b.tp}" for b in self.buckets if b.num_instances) or "none"
+
+    @property
+    def layout_key(self) -> tuple:
+        """What two plans share when they run the same layout: the training configuration and
+        the rollout instances' TP sizes (thresholds and device numbering aside)."""
+        return self.training.config, tuple(sorted(i.tp for i in self.instances))
+
+    @property
     def predicted_step_s(self) -> float:
         """The objective: in the asynchronous loop a step takes as long as the slower stage."""
         return max(self.predicted_train_s, self.predicted_rollout_s)

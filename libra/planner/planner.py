@@ -7,6 +7,15 @@ rule agree) or leaves it pending for an external controller (`propose` / `accept
 `veto_candidate`). Every adoption returns the actions that move the cluster to the new plan and
 emits a `PlannerEvent`.
 
+With a rescorer (`PlanRescorer`, e.g. the simulator's `libra.sim.rescoring.simulated_rescorer`)
+the plan chosen is not the model's optimum alone: the optimum and the best homogeneous pool of
+each TP size (`candidate_plans`) are scored, and another candidate replaces the optimum when it
+scores `rescore_margin` (2 %) higher -- at the initial plan, and at a re-plan the model's rule
+would apply, where the running plan is scored beside them and must be beaten by the apply rule's
+gain on the rescorer's ratio. The model is least trustworthy where it finds a mix and a
+homogeneous pool within a percent of each other; a short simulation's ranking within a percent
+or two is noise too, hence the margin.
+
 The apply rule weighs model against model: the running plan and the candidate are both priced by
 the cost model, on the same history, with its factors scaled per stage by how the running plan's
 measured steps compared with its predictions (`StepCalibration`). A measured step against a
@@ -19,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from libra.planner.calibration import StageScales, StepCalibration, scaled_factors
@@ -28,7 +38,7 @@ from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.diff import Action, RestartTraining, diff_plans
 from libra.planner.evaluate import evaluate_plan
 from libra.planner.plan import Plan
-from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS, search
+from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS, candidate_plans, search
 from libra.planner.triggers import (
     ApplyDecision,
     ReconfigurationCosts,
@@ -47,6 +57,34 @@ class PlannerEvent:
     message: str
 
 
+PlanRescorer = Callable[[Sequence[Plan]], Sequence[float]]
+"""Scores plans on the workload as it is now: a rate, >= 0, higher is better (e.g. simulated
+trained tokens/s); one score per plan, in order. It runs under the planner's lock, so it must not
+call the planner back."""
+
+
+@dataclass(frozen=True)
+class Rescoring:
+    """One re-scoring: each plan's rollout mix, training devices and score, best first."""
+
+    scored: tuple[tuple[Plan, float], ...]
+
+    def score_of(self, plan: Plan) -> float:
+        return next(score for p, score in self.scored if p is plan)
+
+    def choice(self, optimum: Plan, margin: float, excluding: Plan | None = None) -> Plan:
+        """The best-scored plan (other than `excluding`) if it beats the model's `optimum` by
+        `margin`, else the optimum."""
+        best = next(p for p, _ in self.scored if p is not excluding)
+        return best if self.score_of(best) > self.score_of(optimum) * (1 + margin) else optimum
+
+    def describe(self) -> str:
+        return "; ".join(
+            f"{p.rollout_mix} (train {p.training.config.num_devices}) {score:,.0f}"
+            for p, score in self.scored
+        )
+
+
 @dataclass(frozen=True)
 class Adoption:
     plan: Plan
@@ -63,8 +101,12 @@ class Planner:
         train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS,
         rollout_factors: EfficiencyFactors = DEFAULT_ROLLOUT_FACTORS,
         on_event: Callable[[PlannerEvent], None] | None = None,
+        rescorer: PlanRescorer | None = None,
     ):
         self._lock = threading.Lock()
+        self._rescorer = rescorer
+        self.rescorings: deque[Rescoring] = deque(maxlen=64)
+        """The latest re-scorings, in order (for reports)."""
         self._problem = problem
         self._factors = (train_factors, rollout_factors)
         self._on_event = on_event or (lambda event: None)
@@ -104,8 +146,15 @@ class Planner:
     def initial_plan(self) -> Adoption:
         """Chooses the split before launch."""
         with self._lock:
-            plan = search(self._problem, *self._calibrated())
-            return self._adopt(plan, "initial plan")
+            return self._choose_initial("initial plan")
+
+    def _choose_initial(self, why: str) -> Adoption:
+        plan = search(self._problem, *self._calibrated())
+        if self._rescorer is None:
+            return self._adopt(plan, why)
+        rescoring = self._rescore(plan)
+        chosen = rescoring.choice(plan, self.policy.rescore_margin)
+        return self._adopt(chosen, f"{why}, re-scored: {rescoring.describe()}")
 
     def observe(self, obs: StepObservation) -> Adoption | None:
         """Feeds one step's measurements; returns the adoption when a re-plan was applied."""
@@ -141,26 +190,66 @@ class Planner:
 
     def _replan(self, reason: TriggerReason) -> Adoption | None:
         if self.current is None:
-            return self._adopt(search(self._problem, *self._calibrated()), f"initial plan ({reason.value})")
+            return self._choose_initial(f"initial plan ({reason.value})")
         current_s = self._price_current()
         candidate = search(self._problem, *self._calibrated())
-        _, actions = diff_plans(self.current, candidate, pool=self._problem.config.hybrid_pool)
-        restart = any(isinstance(a, RestartTraining) for a in actions)
         # A gain within the calibration's own spread across layouts is no evidence of one.
         policy = dataclasses.replace(
             self.policy, min_gain_ratio=max(self.policy.min_gain_ratio, self._calibration.spread)
         )
-        decision = decide_apply(
-            current_s, candidate.predicted_step_s, self._costs.estimate(policy, restart), policy
-        )
+        decision = self._decide(current_s, candidate, candidate.predicted_step_s, policy)
         if not decision.apply:
             self._emit("rejected", f"{reason.value}: {decision.reason}; {self._describe_scales()}")
             return None
+        # Re-scoring chooses between layouts: a candidate on the running one (new thresholds,
+        # the same instances) is the model's call alone.
+        if self._rescorer is not None and candidate.layout_key != self.current.layout_key:
+            # A running plan that no longer fits (priced inf) is not among those scored.
+            fits = math.isfinite(current_s)
+            rescoring = self._rescore(candidate, current=self.current if fits else None)
+            best = rescoring.choice(candidate, self.policy.rescore_margin, excluding=self.current)
+            if fits:
+                # The rescorer's ratio, on the model's scale of the running plan's step.
+                best_score = rescoring.score_of(best)
+                current_score = rescoring.score_of(self.current)
+                best_s = current_s * current_score / best_score if best_score > 0 else math.inf
+                decision = self._decide(current_s, best, best_s, policy)
+                if best_score <= current_score or not decision.apply:
+                    self._emit(
+                        "rejected",
+                        f"{reason.value}: the model's candidate would apply, but re-scored: "
+                        f"{rescoring.describe()} ({decision.reason})",
+                    )
+                    return None
+            candidate = best
         if not self.policy.auto_apply:
             self.candidate = candidate
             self._emit("proposed", f"{reason.value}: {self._why(decision)}; awaiting ProposePlan")
             return None
         return self._adopt(candidate, f"{reason.value}: {self._why(decision)}")
+
+    def _decide(
+        self, current_s: float, candidate: Plan, candidate_s: float, policy: TriggerPolicy
+    ) -> ApplyDecision:
+        _, actions = diff_plans(self.current, candidate, pool=self._problem.config.hybrid_pool)
+        restart = any(isinstance(a, RestartTraining) for a in actions)
+        return decide_apply(current_s, candidate_s, self._costs.estimate(policy, restart), policy)
+
+    def _rescore(self, optimum: Plan, current: Plan | None = None) -> Rescoring:
+        """The candidates (and `current`, first) scored by the rescorer, best first; ties keep
+        the running plan, then the model's order."""
+        plans = candidate_plans(self._problem, *self._calibrated(), optimum=optimum)
+        if current is not None:
+            plans = [current, *(p for p in plans if p.layout_key != current.layout_key)]
+        scores = list(self._rescorer(plans))
+        if len(scores) != len(plans) or not all(math.isfinite(s) and s >= 0 for s in scores):
+            raise ValueError(
+                f"the rescorer must give one finite score >= 0 per plan, got {scores} for {len(plans)}"
+            )
+        order = sorted(range(len(plans)), key=lambda i: (-scores[i], i))
+        rescoring = Rescoring(tuple((plans[i], scores[i]) for i in order))
+        self.rescorings.append(rescoring)
+        return rescoring
 
     def propose(self, plan: Plan, reason: str = "") -> Adoption:
         """Adopts an externally supplied plan after validating and re-pricing it (ValueError if invalid)."""

@@ -280,7 +280,11 @@ def build_rollout_space(
     flight spread over that many devices (`RolloutCostModel.decoding_per_device`), else only by
     memory and max_decode_batch."""
     cost = RolloutCostModel(problem.cluster, problem.model, problem.config, factors)
-    sizes = [k for k in problem.config.search.rollout_tp_sizes if problem.cluster.devices_per_node % k == 0]
+    sizes = [
+        k
+        for k in problem.config.search.rollout_tp_sizes
+        if problem.cluster.devices_per_node % k == 0 and problem.model.serves_at_tp(k)
+    ]
     # Per step: a training step consumes global_batch trajectories, so the history's work is
     # scaled to that many; with bounded staleness a trajectory may span max_staleness +
     # tail_staleness + 1 steps, while launches keep global_batch x (max_staleness + 1) in flight.
@@ -353,6 +357,35 @@ def search(
         consistent or exact.values(), key=lambda p: (p.predicted_step_s, p.training.config.num_devices)
     )
     return dataclasses.replace(plan, search_time_s=time.perf_counter() - started)
+
+
+def candidate_plans(
+    problem: PlanningProblem,
+    train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS,
+    rollout_factors: EfficiencyFactors = DEFAULT_ROLLOUT_FACTORS,
+    optimum: Plan | None = None,
+) -> list[Plan]:
+    """The plans worth re-scoring outside the cost model: the optimum (`optimum`, or `search`'s),
+    then the best plan with rollout instances of one TP size only, for each size of the space,
+    in order of predicted step. A size no plan of the space can use is left out, and so is a plan
+    with the same training layout and rollout pool as one already listed. The model's near-ties
+    between a mix and a homogeneous pool are where it is least trustworthy: these are the
+    alternatives a simulator (`Planner`'s rescorer) should see."""
+    plans = [optimum if optimum is not None else search(problem, train_factors, rollout_factors)]
+    space = problem.config.search
+    singles = []
+    for tp in space.rollout_tp_sizes:
+        only = dataclasses.replace(problem.config, search=dataclasses.replace(space, rollout_tp_sizes=(tp,)))
+        try:
+            singles.append(search(dataclasses.replace(problem, config=only), train_factors, rollout_factors))
+        except NoFeasiblePlan:
+            continue
+    seen = {plans[0].layout_key}
+    for plan in sorted(singles, key=lambda p: p.predicted_step_s):
+        if plan.layout_key not in seen:
+            seen.add(plan.layout_key)
+            plans.append(plan)
+    return plans
 
 
 MAX_CONCURRENCY_ROUNDS = 4

@@ -41,6 +41,9 @@ WORKER_END_EVENTS = (EventKind.WORKER_EXITED, EventKind.WORKER_LOST, EventKind.W
 was lost, or it was stopped."""
 _WATCH_RETRY_S = 1.0
 """Pause before re-subscribing after the event stream broke (the controller restarting)."""
+KV_USAGE_PARTS = 10_000
+"""The capacity KV usage is reported to the router with: `InstanceStats` carries a share, not
+the engine's KV tokens, so the router gets parts per 10,000 of 10,000."""
 
 
 @dataclass
@@ -149,6 +152,16 @@ class InstancePool:
             num_cut,
         )
         return displaced
+
+    def report_kv_usage(self, instance_id: int, usage: float) -> None:
+        """Tells the router the engine's KV-cache usage (`InstanceStats.kv_cache_usage`: vLLM's
+        share of KV blocks held by running requests; blocks kept only by the prefix cache count
+        as free, queued requests hold none yet), in `KV_USAGE_PARTS`. Ignored for an instance
+        that left service since its stats were read."""
+        pooled = self._instances.get(instance_id)
+        if pooled is not None and not pooled.lost:
+            used = round(min(max(usage, 0.0), 1.0) * KV_USAGE_PARTS)
+            self.router.set_instance_kv(instance_id, used, KV_USAGE_PARTS)
 
     # -- planned removal (the plan executor, through `plan_control`) ---------------------------
 

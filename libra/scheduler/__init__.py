@@ -2,7 +2,8 @@
 
 Owns C-MLFQ (a facade over the C++ core in `libra._native`): tool-return states, the causal
 prefix trees learned from completed trajectories, bucket routing, the instance load table
-(loads weighted by instance capacity) and run-time bucket updates when a plan changes them.
+(loads weighted by instance capacity, capped by trajectories and by the KV the engines report)
+and run-time bucket updates when a plan changes them.
 Also owns the baseline policies behind the same `Router` interface, and a synthetic agentic
 workload to compare them. Depends only on `libra.trajectory` for the shared `ToolStatus`.
 """

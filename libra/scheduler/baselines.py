@@ -13,7 +13,9 @@ tool return.
 
 The bucketed baselines place trajectories with C-MLFQ's placement rules (least loaded, capped by
 `max_queue_length`, nearest other bucket, then any ready instance), so that comparisons measure
-the choice of bucket alone.
+the choice of bucket alone. They record what `set_instance_kv` reports (`instance_loads` shows
+it) but do not place by it: every baseline places as it did before the KV caps, so comparisons
+with earlier runs stay valid.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Reason
+from libra.scheduler.interface import Decision, Reason, check_kv
 from libra.scheduler.tool_state import ToolReturnState
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ class _Instance:
     ready: bool
     active: int = 0
     weight: int = 1
+    kv_used: int = 0
+    kv_capacity: int = 0
 
 
 @dataclass
@@ -120,13 +124,26 @@ class _BaselineRouter:
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         self._instances[instance_id].ready = ready
 
+    def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
+        """Recorded for `instance_loads`; placement ignores it (see the module's docstring)."""
+        instance = self._instances[instance_id]
+        check_kv(instance_id, used_tokens, capacity_tokens)
+        instance.kv_used, instance.kv_capacity = used_tokens, capacity_tokens
+
     def instance_loads(self) -> list[InstanceLoad]:
         """Live trajectories placed on each instance (what a plan's drain waits on), in id order."""
         # C-MLFQ's type, imported here: its module loads the native core, which baselines do not need.
         from libra.scheduler.cmlfq import InstanceLoad
 
         return [
-            InstanceLoad(instance_id, instance.bucket, instance.active, instance.ready)
+            InstanceLoad(
+                instance_id,
+                instance.bucket,
+                instance.active,
+                instance.ready,
+                instance.kv_used,
+                instance.kv_capacity,
+            )
             for instance_id, instance in sorted(self._instances.items())
         ]
 

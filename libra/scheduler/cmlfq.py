@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from libra import _native
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Reason
+from libra.scheduler.interface import Decision, Reason, check_kv
 from libra.scheduler.tool_state import ToolReturnState
 
 _REASONS = tuple(Reason)
@@ -43,6 +43,10 @@ class InstanceLoad:
     active: int
     """Live trajectories placed on the instance."""
     ready: bool
+    kv_used: int = 0
+    """KV tokens last reported by `set_instance_kv`."""
+    kv_capacity: int = 0
+    """0: never reported."""
 
 
 class CmlfqRouter:
@@ -57,6 +61,7 @@ class CmlfqRouter:
             rebuild_window=self.config.rebuild_window,
             rebuild_interval=self.config.rebuild_interval,
             demote=self.config.demote,
+            kv_full_fraction=self.config.kv_full_fraction,
         )
 
     def admit(self, trajectory_id: str, prompt_id: str) -> Decision:
@@ -96,6 +101,10 @@ class CmlfqRouter:
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         self._core.set_instance_ready(instance_id, ready)
+
+    def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
+        check_kv(instance_id, used_tokens, capacity_tokens)
+        self._core.set_instance_kv(instance_id, used_tokens, capacity_tokens)
 
     def update_buckets(
         self, buckets: Sequence[BucketConfig], instance_buckets: Mapping[int, int]

@@ -60,6 +60,11 @@ class CmlfqConfig:
     max_queue_length: int = 3
     """Live trajectories per instance beyond which it takes no more while another bucket has
     room (placement then falls back; see `Reason`)."""
+    kv_full_fraction: float = 0.85
+    """An instance whose engine reports its KV (`Router.set_instance_kv`) also has no room once
+    that share of its KV tokens is in use, whatever its trajectory count: on long contexts a small
+    instance's KV fills, and its queue grows, below `max_queue_length`. In (0, 1]; the choice of
+    0.85 is measured in `docs/scheduling.md`."""
     demote: bool = False
     """Whether a trajectory whose predicted remaining work fell moves to a smaller bucket (the
     original's rule). Off by default: a demoted trajectory is near its end with its longest
@@ -97,6 +102,8 @@ class CmlfqConfig:
         for name in ("p90_window", "rebuild_window", "max_queue_length"):
             if not 1 <= getattr(self, name) <= _MAX_TOKENS:
                 raise ValueError(f"cmlfq.{name} must be in 1..{_MAX_TOKENS}, got {getattr(self, name)}")
+        if not 0 < self.kv_full_fraction <= 1:
+            raise ValueError(f"cmlfq.kv_full_fraction must be in (0, 1], got {self.kv_full_fraction}")
         if not 0 <= self.rebuild_interval <= _MAX_TOKENS:
             raise ValueError(
                 f"cmlfq.rebuild_interval must be in 0..{_MAX_TOKENS}, got {self.rebuild_interval}"

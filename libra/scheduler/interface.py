@@ -12,6 +12,7 @@ The planner and the control plane change the pool with `add_instance`, `remove_i
 `set_instance_ready` and `on_instance_lost`; trajectories displaced from a removed or lost
 instance are returned, never dropped, and go back in with `reroute`. When a new plan changes the
 buckets themselves (their TP sizes or thresholds), `update_buckets` replaces them at run time.
+Engines report how full their KV is with `set_instance_kv`, whenever it changes or periodically.
 """
 
 from __future__ import annotations
@@ -118,6 +119,16 @@ class Router(Protocol):
         has move elsewhere at their next tool return."""
         ...
 
+    def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
+        """What the instance's engine reports of its KV cache: `used_tokens` held or reserved by
+        its running and queued sequences (not the evictable prefix cache, which gives way to
+        them), out of `capacity_tokens` (both >= 0; an engine that knows only a usage fraction
+        reports it in parts per 10,000 of 10,000). C-MLFQ counts the instance full, like one at
+        its trajectory cap, from `CmlfqConfig.kv_full_fraction` of its capacity on; an instance
+        that never reported (or reported capacity 0) is judged by its trajectory cap only. The
+        baselines record it and place as before."""
+        ...
+
     def update_buckets(
         self, buckets: Sequence[BucketConfig], instance_buckets: Mapping[int, int]
     ) -> list[Decision]:
@@ -128,3 +139,18 @@ class Router(Protocol):
         ValueError, changing nothing, if `instance_buckets` does not name each instance once
         with a valid bucket."""
         ...
+
+
+_MAX_KV_TOKENS = 2**53
+"""KV token counts the core compares exactly with a fraction of them (a double holds every
+integer up to 2**53; no engine comes near it)."""
+
+
+def check_kv(instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
+    """ValueError unless both counts of a `set_instance_kv` report are in 0..2**53."""
+    if 0 <= used_tokens <= _MAX_KV_TOKENS and 0 <= capacity_tokens <= _MAX_KV_TOKENS:
+        return  # the simulator reports on most of its events: the common case is one comparison
+    raise ValueError(
+        f"instance {instance_id}: KV tokens must be in 0..{_MAX_KV_TOKENS}, "
+        f"got used {used_tokens}, capacity {capacity_tokens}"
+    )

@@ -21,6 +21,7 @@ from libra.planner.config import QWEN3_14B, ClusterSpec, ModelArch, PlannerConfi
 from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.cpu_reference import cpu_profile
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
+from libra.scheduler.config import CmlfqConfig
 from libra.scheduler.factory import RouterKind
 from libra.sim.workloads import WorkloadConfig
 from libra.training.config import STALENESS_MODES
@@ -74,8 +75,14 @@ class PolicySpec:
     """FIXED_PATTERN with C-MLFQ: the original's thresholds (4k / 12k / 30k remaining tokens for
     TP-1 / 2 / 4) instead of thresholds fitted to the buckets' capacity
     (`libra.planner.routing_thresholds`)."""
+    rollout_tp: int = 0
+    """HOMOGENEOUS: every rollout instance of this TP size (0: the one with the best per-device
+    throughput that holds the longest context)."""
     description: str = ""
 
+
+HINDSIGHT_TP_SIZES = (1, 2, 4, 8)
+"""The homogeneous pools Libra is held against with hindsight (`HINDSIGHT_POLICIES`)."""
 
 POLICIES: dict[str, PolicySpec] = {
     p.name: p
@@ -170,6 +177,18 @@ POLICIES: dict[str, PolicySpec] = {
             max_staleness=0,
             description="fixed_sync with capacity-weighted least-load routing",
         ),
+        *(
+            PolicySpec(
+                f"homogeneous_tp{tp}",
+                Mode.DISAGGREGATED_ASYNC,
+                Pool.HOMOGENEOUS,
+                RouterKind.LEAST_LOAD,
+                rollout_tp=tp,
+                description=f"the planner's initial split with every rollout instance TP-{tp}, static, "
+                "the config's staleness: one of the homogeneous pools Libra is held against with hindsight",
+            )
+            for tp in HINDSIGHT_TP_SIZES
+        ),
         PolicySpec(
             "libra",
             Mode.DISAGGREGATED_ASYNC,
@@ -202,6 +221,9 @@ ROUTER_COMPARISONS = (
     ),
 )
 """(policy, baseline, what the ratio says): the router's own effects, on equal devices."""
+HINDSIGHT_POLICIES = tuple(f"homogeneous_tp{tp}" for tp in HINDSIGHT_TP_SIZES)
+"""The best of these, known only after running them all, is the static pool a user who tried
+every TP size would keep: Libra must match it without the trials."""
 
 
 @dataclass(frozen=True)
@@ -269,8 +291,14 @@ class SimConfig:
     cmlfq_max_queue_length: int = 0
     """Live trajectories per instance before C-MLFQ falls back to another bucket; 0: derived
     from the initial pool (twice the fair share of the trajectories in flight)."""
+    planner_rescore_steps: int = 0
+    """The planner re-scores its candidate plans -- its optimum and the best pool of each TP
+    size -- by simulating each for this many steps on the workload as it is (`libra.sim.rescoring`),
+    at the initial plan and at every re-plan its model would apply; 0: its cost model decides alone."""
     cmlfq_demote: bool = False
     """C-MLFQ also moves trajectories down to smaller buckets (`CmlfqConfig.demote`)."""
+    cmlfq_kv_full_fraction: float = CmlfqConfig.kv_full_fraction
+    """C-MLFQ counts an instance full from this share of its KV in use (`CmlfqConfig.kv_full_fraction`)."""
     fixed_node_pattern: tuple[int, ...] = (1, 1, 2, 4)
     fixed_train_fraction: float = 2 / 3
     train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS
@@ -305,6 +333,12 @@ class SimConfig:
             raise ValueError(f"sim.tail_staleness must be >= 0, got {self.tail_staleness}")
         if self.num_nodes < 1:
             raise ValueError(f"sim.num_nodes must be >= 1, got {self.num_nodes}")
+        if not 0 < self.cmlfq_kv_full_fraction <= 1:
+            raise ValueError(
+                f"sim.cmlfq_kv_full_fraction must be in (0, 1], got {self.cmlfq_kv_full_fraction}"
+            )
+        if self.planner_rescore_steps < 0:
+            raise ValueError(f"sim.planner_rescore_steps must be >= 0, got {self.planner_rescore_steps}")
         if self.num_steps < 1:
             raise ValueError(f"sim.num_steps must be >= 1, got {self.num_steps}")
         object.__setattr__(self, "policies", tuple(self.policies))

@@ -13,7 +13,9 @@ KV stays in its instance's prefix cache only until other sequences need the room
 (`libra.sim.instance`). On the same instance only the tool result is prefilled if the prefix is
 still cached when the turn is admitted, the whole context otherwise; elsewhere the whole context
 is re-prefilled, or its KV moved, per `MovementCosts.migration` -- moved only while the old
-instance still caches it (looked up when the tool returns: the transfer starts then).
+instance still caches it (looked up when the tool returns: the transfer starts then). Each
+instance reports its KV in use to the router whenever it changes (the job's engines report theirs
+once a second, from their stats).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ class RolloutCluster:
         self.migration_s = 0.0
         self._evicted_move_tokens = 0.0
         """Context tokens re-prefilled under `kv_move` because the old instance had evicted them."""
+        self._kv_reported: dict[int, int] = {}
+        """Instance id -> the KV tokens last reported to the router."""
 
     # The clock.
 
@@ -180,6 +184,7 @@ class RolloutCluster:
         """Stops an instance now: its in-flight turns are cut (they keep their tokens) and every
         trajectory placed there is rerouted."""
         inst = self.instances.pop(instance_id)
+        self._kv_reported.pop(instance_id, None)
         inst.advance(self.now)
         inst.retired = True
         inst.epoch += 1
@@ -255,6 +260,16 @@ class RolloutCluster:
         at = inst.next_completion()
         if at is not None:
             self.schedule(at, self._on_instance_tick, inst, inst.epoch)
+        self._report_kv(inst)
+
+    def _report_kv(self, inst: Instance) -> None:
+        """Tells the router the KV the instance holds or reserves plus what its queue waits to be
+        admitted with (`Router.set_instance_kv`); every admission, end of turn and enqueue passes
+        through `_reschedule`. The evictable prefix cache is not counted: it gives way."""
+        used = round(inst.kv_tokens + inst.queued_kv)
+        if self._kv_reported.get(inst.instance_id) != used:
+            self._kv_reported[inst.instance_id] = used
+            self.router.set_instance_kv(inst.instance_id, used, inst.coefficients.token_capacity)
 
     # Trajectories.
 

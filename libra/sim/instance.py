@@ -163,6 +163,8 @@ class Instance:
     """KV tokens held or reserved by the decoding and prefilling sequences."""
     decode_kv: float = 0.0
     """KV tokens of the decoding sequences (what a decode step reads)."""
+    queued_kv: float = 0.0
+    """Contexts of the waiting and arriving sequences: KV demand not admitted yet."""
     prefix_cache: OrderedDict[int, float] = field(default_factory=OrderedDict)
     """Trajectory key -> KV tokens its ended turn left cached (freed, evictable), least recently
     used first."""
@@ -321,6 +323,7 @@ class Instance:
     def enqueue(self, seq: Sequence) -> None:
         """Queues a turn: its context's last `prefill_left` tokens are prefilled, in chunks,
         before it decodes (call `advance(now)` first)."""
+        self.queued_kv += seq.context
         if seq.not_before > max(self.clock, self.ready_at):
             self.arriving.append(seq)
             return
@@ -339,6 +342,7 @@ class Instance:
             if (self.active or self.prefilling) and self.kv_tokens + head.context > cap:
                 break
             self.waiting.popleft()
+            self._unqueue(head)
             self._take_prefix(head)
             if head.prefill_left > DONE_EPS:
                 self.prefilling.append(head)
@@ -393,17 +397,24 @@ class Instance:
 
     def remove(self, key: int) -> Sequence | None:
         """Takes one trajectory's turn off the instance, wherever it is (call `advance(now)` first)."""
-        for queue in (self.active, self.prefilling, self.arriving):
+        for queue in (self.active, self.prefilling):
             for seq in queue:
                 if seq.key == key:
                     queue.remove(seq)
                     self._recount_kv()
                     return seq
-        for seq in self.waiting:
-            if seq.key == key:
-                self.waiting.remove(seq)
-                return seq
+        for queue in (self.waiting, self.arriving):
+            for seq in queue:
+                if seq.key == key:
+                    queue.remove(seq)
+                    self._unqueue(seq)
+                    return seq
         return None
+
+    def _unqueue(self, seq: Sequence) -> None:
+        """`seq` left the waiting or arriving queue."""
+        # Exactly 0 once both are empty, so float residue cannot build up over a run.
+        self.queued_kv = self.queued_kv - seq.context if self.waiting or self.arriving else 0.0
 
     def drop_prefix_cache(self) -> None:
         """New weights: every cached prefix is stale (call `advance(now)` first); the room it held
@@ -416,7 +427,7 @@ class Instance:
         """Removes every sequence (the instance is stopped: in-flight turns are cut, the cache is gone)."""
         seqs = [*self.active, *self.prefilling, *self.waiting, *self.arriving]
         self.active, self.prefilling, self.waiting, self.arriving = [], [], deque(), []
-        self.kv_tokens = self.decode_kv = 0.0
+        self.kv_tokens = self.decode_kv = self.queued_kv = 0.0
         self.prefix_cache.clear()
         self.cached_tokens = 0.0
         return seqs

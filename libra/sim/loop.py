@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from libra.planner.config import RequestRecord, TriggerPolicy
 from libra.planner.diff import RestartTraining
-from libra.planner.planner import Planner
+from libra.planner.planner import Planner, PlanRescorer
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
 from libra.planner.triggers import StepObservation
@@ -58,13 +59,38 @@ def preflight_history(config: SimConfig) -> tuple[RequestRecord, ...]:
     return tuple(RequestRecord.from_trace(t) for t in traces[: config.history_size])
 
 
+@dataclass(frozen=True)
+class WorkloadWindow:
+    """Which groups a run draws: from index `first_group`, at the drift of its own progress
+    (step / num_steps), or held at `held_progress` (a short run that prices plans on the
+    workload as it is at one moment of a longer one)."""
+
+    first_group: int = 0
+    held_progress: float | None = None
+
+    def progress(self, step: int, num_steps: int) -> float:
+        return step / num_steps if self.held_progress is None else self.held_progress
+
+
+RescorerFactory = Callable[[Callable[[], tuple[RequestRecord, ...]], Callable[[], float]], PlanRescorer]
+"""Builds a run's plan rescorer from how to read the run's history and workload progress now."""
+
+
 class PolicyRun:
     """One policy's run; `run()` returns its `SimResult`."""
 
     def __init__(
-        self, config: SimConfig, policy: PolicySpec, layout: Layout, history: tuple[RequestRecord, ...]
+        self,
+        config: SimConfig,
+        policy: PolicySpec,
+        layout: Layout,
+        history: tuple[RequestRecord, ...],
+        workload: WorkloadWindow = WorkloadWindow(),
+        rescorer: RescorerFactory | None = None,
     ):
         self.config = config
+        self.workload = workload
+        self.make_rescorer = rescorer
         self.policy = policy
         self.layout = layout
         self.history = deque(history, maxlen=config.history_size)
@@ -92,7 +118,9 @@ class PolicyRun:
         )
         total_weight = sum(instance_weight(rollout_cost, i.tp) for i in layout.instances)
         cmlfq_config = layout.cmlfq_config(
-            derived_queue_length(config, policy, total_weight), config.cmlfq_demote
+            derived_queue_length(config, policy, total_weight),
+            config.cmlfq_demote,
+            config.cmlfq_kv_full_fraction,
         )
         router = make_router(policy.router, cmlfq_config)
         self.cluster = RolloutCluster(
@@ -108,7 +136,7 @@ class PolicyRun:
         self.instance_of_name: dict[str, int] = {}
         self.training: TrainingConfig = layout.training
         self.train_devices = layout.train_devices
-        self.next_group = 0
+        self.next_group = workload.first_group
         self.step = 0
         self.steps: list[StepRecord] = []
         self.staleness: list[int] = []
@@ -144,7 +172,9 @@ class PolicyRun:
             self.instance_of_name[inst.instance_id] = sim.instance_id
 
     def _draw_group(self) -> list[TrajectoryTrace]:
-        traces = self.generator.group(self.next_group, self.step / self.config.num_steps)
+        traces = self.generator.group(
+            self.next_group, self.workload.progress(self.step, self.config.num_steps)
+        )
         self.next_group += 1
         return traces
 
@@ -435,8 +465,17 @@ class AsyncRun(PolicyRun):
         )
         problem = self._planning_problem()
         problem = replace(problem, config=replace(problem.config, policy=policy))
+        rescorer = None
+        if self.make_rescorer is not None:
+            rescorer = self.make_rescorer(
+                lambda: tuple(self.history), lambda: self.workload.progress(self.step, self.config.num_steps)
+            )
         self.planner = Planner(
-            problem, self.config.train_factors, self.config.rollout_factors, on_event=self._on_planner_event
+            problem,
+            self.config.train_factors,
+            self.config.rollout_factors,
+            on_event=self._on_planner_event,
+            rescorer=rescorer,
         )
         # The planner starts from the layout already running (its initial plan).
         self.current_plan = self.planner.propose(self.current_plan, "the launch layout").plan
@@ -557,12 +596,18 @@ def training_layout(cfg: TrainingConfig, batch) -> str:
 
 
 def simulate(
-    config: SimConfig, policy: PolicySpec, layout: Layout, history: tuple[RequestRecord, ...]
+    config: SimConfig,
+    policy: PolicySpec,
+    layout: Layout,
+    history: tuple[RequestRecord, ...],
+    workload: WorkloadWindow = WorkloadWindow(),
+    rescorer: RescorerFactory | None = None,
 ) -> SimResult:
-    """Runs one policy from its layout; deterministic for the config (and its seeds)."""
+    """Runs one policy from its layout; deterministic for the config (and its seeds). `rescorer`:
+    how its planner re-scores candidate plans (`libra.sim.rescoring`; None: by its model)."""
     started = time.perf_counter()
     run_cls = SyncRun if policy.mode is Mode.COLOCATED_SYNC else AsyncRun
-    run = run_cls(config, policy, layout, history)
+    run = run_cls(config, policy, layout, history, workload, rescorer)
     run.run()
     return run.result(time.perf_counter() - started)
 

@@ -2,9 +2,9 @@
 router's buckets, built with the real planner (search, cost models, plan placement).
 
 - PLANNED: the planner's initial plan (what Libra launches with).
-- HOMOGENEOUS: one TP size for every rollout instance -- the one with the best per-device decode
-  throughput that still holds the longest context -- on the planned split (disaggregated) or on
-  every device (colocated).
+- HOMOGENEOUS: one TP size for every rollout instance -- the policy's (`PolicySpec.rollout_tp`)
+  or the one with the best per-device decode throughput that still holds the longest context --
+  on the planned split (disaggregated) or on every device (colocated).
 - FIXED_PATTERN: the original's hand-made layout, a fixed share of nodes training and each
   rollout node split into a fixed pattern of TP sizes, with thresholds fitted to the buckets'
   capacity (`libra.planner.routing_thresholds`) or the original's (`PolicySpec.original_thresholds`).
@@ -48,11 +48,12 @@ class Layout:
     def bucket_of(self, tp: int) -> int:
         return bucket_of(self.bucket_tps, tp)
 
-    def cmlfq_config(self, max_queue_length: int, demote: bool) -> CmlfqConfig:
+    def cmlfq_config(self, max_queue_length: int, demote: bool, kv_full_fraction: float) -> CmlfqConfig:
         return CmlfqConfig(
             buckets=bucket_configs(self.bucket_tps, self.thresholds),
             max_queue_length=max_queue_length,
             demote=demote,
+            kv_full_fraction=kv_full_fraction,
         )
 
 
@@ -115,21 +116,39 @@ def best_training_config(
 
 
 def homogeneous_tp(config: SimConfig, history: tuple[RequestRecord, ...]) -> int:
+    """The TP size with the best per-device decode throughput among those that can serve the
+    workload (`rollout_size_error`)."""
     cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
-    longest = max(r.total_tokens for r in history)
     best = None
     for tp in config.planner.search.rollout_tp_sizes:
-        if config.devices_per_node % tp:
+        if rollout_size_error(config, history, tp) is not None:
             continue
-        profile = cost.instance_profile(tp, history)
-        if profile.token_capacity < longest:
-            continue
-        per_device = profile.throughput_tokens_per_s / tp
+        per_device = cost.instance_profile(tp, history).throughput_tokens_per_s / tp
         if best is None or per_device > best[0]:
             best = (per_device, tp)
     if best is None:
         raise ValueError("no rollout TP size holds the longest context of the history")
     return best[1]
+
+
+def rollout_size_error(config: SimConfig, history: tuple[RequestRecord, ...], tp: int) -> str | None:
+    """Why TP-tp instances cannot serve the workload (None: they can): the size does not divide
+    a node, cannot shard the model's heads, or an instance's KV does not hold the history's
+    longest context."""
+    if tp < 1 or config.devices_per_node % tp:
+        return f"rollout TP-{tp} does not divide a node of {config.devices_per_node} devices"
+    if not config.model.serves_at_tp(tp):
+        return (
+            f"rollout TP-{tp} cannot shard the model's {config.model.num_attention_heads} query / "
+            f"{config.model.num_kv_heads} KV heads"
+        )
+    capacity = RolloutCostModel(
+        config.cluster, config.model, config.planner, config.rollout_factors
+    ).token_capacity(tp)
+    longest = max(r.total_tokens for r in history)
+    if capacity < longest:
+        return f"a TP-{tp} instance holds {capacity} KV tokens, not the history's longest context ({longest})"
+    return None
 
 
 def build_layout(
@@ -161,7 +180,12 @@ def build_layout(
     training = initial_plan.training.config
     n_train = training.num_devices
     if policy.pool is Pool.HOMOGENEOUS:
-        tp = homogeneous_tp(config, history)
+        tp = policy.rollout_tp or homogeneous_tp(config, history)
+        error = rollout_size_error(config, history, tp)
+        if error is not None:
+            raise ValueError(error)
+        if (n - n_train) // tp == 0:
+            raise ValueError(f"the {n - n_train} rollout devices hold no TP-{tp} instance")
         instances = place_rollout(n_train, n, dpn, [tp] * ((n - n_train) // tp))
         return Layout(training, tuple(range(n_train)), instances, (tp,), (_MAX_TOKENS,))
     tps, thresholds = plan_buckets(initial_plan)

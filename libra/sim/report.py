@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from libra.sim.config import ABLATIONS, BASELINES, HETEROGENEOUS_ABLATION, POLICIES, ROUTER_COMPARISONS
+from libra.sim.config import (
+    ABLATIONS,
+    BASELINES,
+    HETEROGENEOUS_ABLATION,
+    HINDSIGHT_POLICIES,
+    POLICIES,
+    ROUTER_COMPARISONS,
+)
 from libra.sim.runner import Comparison
 
 
@@ -47,6 +54,15 @@ def speedup_lines(comparison: Comparison, reference: str = "libra") -> list[str]
         lines.append(
             f"- {reference} / {least_load}: {comparison.speedup(reference, least_load):.2f}x trained tokens/s"
         )
+    best = comparison.best_hindsight()
+    if best is not None:
+        tried = ", ".join(
+            n.removeprefix("homogeneous_") for n in HINDSIGHT_POLICIES if n in comparison.results
+        )
+        lines.append(
+            f"- {reference} / the best homogeneous static pool with hindsight ({best}; of {tried} "
+            f"on the planned split): {comparison.speedup(reference, best):.2f}x trained tokens/s"
+        )
     for policy, baseline, label in ROUTER_COMPARISONS:
         if policy in comparison.results and baseline in comparison.results:
             lines.append(
@@ -74,16 +90,25 @@ def markdown_report(comparison: Comparison, plots: list[str] | None = None) -> s
     ]
     if comparison.initial_plan is not None:
         parts += [
-            f"Initial plan (searched in {comparison.initial_plan_search_s * 1e3:.0f} ms):",
+            f"Initial plan (chosen in {comparison.initial_plan_search_s * 1e3:.0f} ms, its re-scoring "
+            "included):",
             "```",
             comparison.initial_plan.describe(),
             "```",
+            "",
+        ]
+    if comparison.initial_rescoring is not None:
+        parts += [
+            f"The planner's candidates simulated for {c.planner_rescore_steps} steps each, trained "
+            f"tokens/s, best first (its model's optimum is kept unless another scores "
+            f"{c.planner.policy.rescore_margin:.0%} more): {comparison.initial_rescoring.describe()}.",
             "",
         ]
     parts += ["## Throughput and step time", "", comparison_table(comparison), ""]
     parts += speedup_lines(comparison)
     parts += ["", "## Policies", ""]
     parts += [f"- **{name}**: {POLICIES[name].description}" for name in comparison.results]
+    parts += [f"- **{name}**: not run: {why}" for name, why in comparison.skipped.items()]
     parts += ["", "## Staleness distribution (trajectories per versions behind)", ""]
     for name, r in comparison.results.items():
         parts.append(f"- {name}: {r.staleness_histogram()}")

@@ -16,6 +16,7 @@ from libra.planner.config import (
     RequestRecord,
     SearchConfig,
     TrainingBatch,
+    TriggerPolicy,
 )
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS, build_rollout_space
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
@@ -29,6 +30,16 @@ TOY_PROFILE = HardwareProfile(
     inter_node_bandwidth_bytes_per_s=5e9,
     devices_per_node=4,
 )
+
+EVERY_STEP = TriggerPolicy(
+    plan_interval=1,
+    warmup_steps=0,
+    cooldown_steps=0,
+    min_history=1,
+    reconfiguration_cost_s=0.0,
+    restart_cost_s=0.0,
+)
+"""A policy that considers a re-plan at every step and prices moves at nothing."""
 
 
 def random_problem(seed: int) -> PlanningProblem:

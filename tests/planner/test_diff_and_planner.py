@@ -26,6 +26,7 @@ from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
 from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
 from libra.training.elastic import HybridPoolLimits
+from tests.planner.helpers import EVERY_STEP
 
 SAMPLE = "configs/planner_qwen3_14b_48xa800.py"
 
@@ -239,16 +240,7 @@ def test_a_gain_within_the_calibrations_spread_across_plans_is_no_gain():
 
 def test_external_controller_vetoes_accepts_and_proposes():
     problem = load_from_file(SAMPLE, "planning_problem", PlanningProblem)
-    policy = TriggerPolicy(
-        plan_interval=1,
-        warmup_steps=0,
-        cooldown_steps=0,
-        min_history=1,
-        reconfiguration_cost_s=0.0,
-        restart_cost_s=0.0,
-        auto_apply=False,
-        min_gain_ratio=0.0,
-    )
+    policy = dataclasses.replace(EVERY_STEP, auto_apply=False, min_gain_ratio=0.0)
     problem = dataclasses.replace(problem, config=dataclasses.replace(problem.config, policy=policy))
     planner = Planner(problem)
     planner.initial_plan()

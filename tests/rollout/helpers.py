@@ -62,6 +62,9 @@ class PlannedRouter:
     def set_instance_ready(self, instance_id, ready):
         pass
 
+    def set_instance_kv(self, instance_id, used_tokens, capacity_tokens):
+        pass
+
 
 async def make_pool(router, addresses: Sequence[str], worker_ids: Sequence[str] = ()) -> InstancePool:
     """Instance i at addresses[i], started as control-plane worker worker_ids[i] when given."""

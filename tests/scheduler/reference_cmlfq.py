@@ -85,6 +85,9 @@ class Instance:
     ready: bool
     active: int = 0
     weight: int = 1
+    kv_used: int = 0
+    kv_capacity: int = 0
+    """0: never reported."""
 
 
 def clamp(tokens: int) -> int:
@@ -178,11 +181,16 @@ class ReferenceCmlfq:
                 return Decision(trajectory_id, live.bucket, live.instance, Reason.TARGET_FULL_STAY, False)
         return self.move(trajectory_id, target, reason)
 
-    def has_room(self, bucket: int) -> bool:
-        return any(
-            i.ready and i.bucket == bucket and i.active < self.config.max_queue_length * i.weight
-            for i in self.instances.values()
+    def room(self, instance: Instance) -> bool:
+        """Under its trajectory cap and, if it reported its KV, under kv_full_fraction of it."""
+        kv_full = (
+            0 < instance.kv_capacity
+            and instance.kv_used >= self.config.kv_full_fraction * instance.kv_capacity
         )
+        return instance.active < self.config.max_queue_length * instance.weight and not kv_full
+
+    def has_room(self, bucket: int) -> bool:
+        return any(i.ready and i.bucket == bucket and self.room(i) for i in self.instances.values())
 
     def on_finish(self, trajectory_id: str, total_output_tokens: int) -> None:
         live = self.live[trajectory_id]
@@ -218,6 +226,10 @@ class ReferenceCmlfq:
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         self.instances[instance_id].ready = ready
+
+    def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
+        instance = self.instances[instance_id]
+        instance.kv_used, instance.kv_capacity = used_tokens, capacity_tokens
 
     def update_buckets(self, buckets, instance_buckets: dict[int, int]) -> list[Decision]:
         """New thresholds and instance buckets; then each live trajectory, in id order, takes its
@@ -266,9 +278,7 @@ class ReferenceCmlfq:
             candidates = [
                 (Fraction(instance.active, instance.weight), instance_id != previous, instance_id)
                 for instance_id, instance in self.instances.items()
-                if instance.ready
-                and instance.bucket in buckets
-                and (not capped or instance.active < self.config.max_queue_length * instance.weight)
+                if instance.ready and instance.bucket in buckets and (not capped or self.room(instance))
             ]
             return min(candidates)[2] if candidates else None
 

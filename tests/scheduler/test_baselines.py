@@ -40,6 +40,16 @@ def test_every_policy_is_a_router(policy) -> None:
     assert isinstance(policy(CONFIG), Router)
 
 
+@pytest.mark.parametrize("policy", [LeastLoadRouter, RoundRobinRouter, LengthMlfqRouter])
+def test_baselines_record_kv_reports_but_place_as_before(policy) -> None:
+    router = with_instances(policy(CONFIG), (0, 0))
+    router.set_instance_kv(0, 1000, 1000)
+    assert router.admit("t", "p").instance_id == 0
+    assert [(load.kv_used, load.kv_capacity) for load in router.instance_loads()] == [(1000, 1000), (0, 0)]
+    with pytest.raises(ValueError):
+        router.set_instance_kv(1, -1, 10)
+
+
 def test_length_mlfq_demotes_once_generated_tokens_pass_the_threshold_and_never_back() -> None:
     router = with_instances(LengthMlfqRouter(CONFIG))
     router.admit("t", "p")

@@ -2,7 +2,8 @@
 
 Each trace draws a small config (thresholds low enough that random token counts cross them, tiny
 windows so rebuilds and evictions happen) and a sequence of admissions, tool returns,
-completions, aborts, instance changes and losses (with reroutes of the displaced) and rebuilds.
+completions, aborts, instance changes, KV reports and losses (with reroutes of the displaced)
+and rebuilds.
 Every decision must match in bucket, instance, reason and migrated; predictions and loads too.
 """
 
@@ -41,6 +42,7 @@ def configs(draw: st.DrawFn) -> CmlfqConfig:
         rebuild_interval=draw(st.integers(0, 8)),
         max_queue_length=draw(st.integers(1, 4)),
         demote=draw(st.booleans()),
+        kv_full_fraction=draw(st.sampled_from([1.0, 0.9, 0.5]) | st.floats(0.01, 1.0)),
     )
 
 
@@ -50,6 +52,7 @@ KINDS = (
     + ["tool"] * 10
     + ["finish"] * 3
     + ["add"] * 2
+    + ["kv"] * 3
     + ["abort", "reroute", "lose", "ready", "rebuild", "update"]
 )
 ops = st.tuples(st.sampled_from(KINDS), st.integers(0, 50), st.integers(0, 600), st.booleans())
@@ -104,10 +107,14 @@ class Twin:
             self.both("add_instance", self.next_instance, index % self.num_buckets, flag, weight)
             self.instances.append(self.next_instance)
             self.next_instance += 1
-        elif kind in ("lose", "ready") and self.instances:
+        elif kind in ("lose", "ready", "kv") and self.instances:
             instance = self.instances[index % len(self.instances)]
             if kind == "ready":
                 self.both("set_instance_ready", instance, flag)
+            elif kind == "kv":
+                # Capacity 0 (no report) now and then; usage around the threshold, past capacity too.
+                capacity = 0 if index % 7 == 0 else 1 + tokens % 23 + 10 * (index % 3)
+                self.both("set_instance_kv", instance, tokens % (capacity + 5), capacity)
             else:
                 self.instances.remove(instance)
                 for trajectory in self.both("on_instance_lost", instance):
@@ -138,9 +145,13 @@ class Twin:
 
     def check_loads(self) -> None:
         native = [
-            (load.instance_id, load.bucket, load.active, load.ready) for load in self.native.instance_loads()
+            (load.instance_id, load.bucket, load.active, load.ready, load.kv_used, load.kv_capacity)
+            for load in self.native.instance_loads()
         ]
-        reference = [(i, x.bucket, x.active, x.ready) for i, x in sorted(self.reference.instances.items())]
+        reference = [
+            (i, x.bucket, x.active, x.ready, x.kv_used, x.kv_capacity)
+            for i, x in sorted(self.reference.instances.items())
+        ]
         assert native == reference
 
 

@@ -180,6 +180,61 @@ def test_a_trajectory_whose_target_bucket_is_full_stays_on_its_instance() -> Non
     assert (moved.bucket, moved.instance_id, moved.reason, moved.migrated) == (1, 1, Reason.MIGRATE_UP, True)
 
 
+def test_a_kv_full_instance_is_skipped_for_one_of_its_bucket_with_room() -> None:
+    """Below its trajectory cap, an instance whose reported KV reached kv_full_fraction of its
+    capacity has no room; one that never reported is judged by its trajectory cap only."""
+    router = make_router((0, 0, 1, 2), kv_full_fraction=0.9)
+    router.set_instance_kv(0, 900, 1000)  # exactly at 0.9: full
+    skipped = router.admit("a", "p")
+    assert (skipped.bucket, skipped.instance_id, skipped.reason) == (0, 1, Reason.ADMITTED)
+    router.set_instance_kv(1, 2000, 1000)  # both full: the nearest bucket with room
+    fallback = router.admit("b", "p")
+    assert (fallback.bucket, fallback.instance_id, fallback.reason) == (
+        1,
+        2,
+        Reason.BUCKET_SATURATED_FALLBACK,
+    )
+    router.set_instance_kv(1, 2000, 0)  # capacity 0 withdraws the report
+    assert router.admit("c", "p").instance_id == 1
+    router.set_instance_kv(0, 899, 1000)  # under 0.9 again: least loaded of the bucket, as before
+    assert router.admit("d", "p").instance_id == 0
+    loads = {
+        load.instance_id: (load.active, load.kv_used, load.kv_capacity) for load in router.instance_loads()
+    }
+    assert loads == {0: (1, 899, 1000), 1: (2, 2000, 0), 2: (1, 0, 0), 3: (0, 0, 0)}
+
+
+def test_a_target_bucket_whose_instances_are_all_kv_full_keeps_the_trajectory() -> None:
+    router = make_router((0, 1, 1, 2))
+    for _ in range(3):
+        learn(router, "p", [SEARCH], [560, 500])  # SEARCH -> medium bucket
+    router.set_instance_kv(1, 950, 1000)
+    router.set_instance_kv(2, 50_000, 50_000)
+    router.admit("t", "p")
+    stay = router.on_tool_return("t", SEARCH, 60)
+    assert (stay.bucket, stay.instance_id, stay.reason, stay.migrated) == (
+        0,
+        0,
+        Reason.TARGET_FULL_STAY,
+        False,
+    )
+    router.set_instance_kv(2, 40_000, 50_000)  # room again
+    moved = router.on_tool_return("t", SEARCH, 90)
+    assert (moved.bucket, moved.instance_id, moved.reason, moved.migrated) == (1, 2, Reason.MIGRATE_UP, True)
+
+
+def test_kv_reports_are_checked() -> None:
+    router = make_router()
+    with pytest.raises(KeyError):
+        router.set_instance_kv(99, 1, 10)
+    with pytest.raises(ValueError, match="KV tokens"):
+        router.set_instance_kv(0, -1, 10)
+    with pytest.raises(ValueError, match="KV tokens"):
+        router.set_instance_kv(0, 1, 2**53 + 1)
+    router.set_instance_kv(0, 2**53, 2**53)  # the largest report is taken exactly
+    assert (router.instance_loads()[0].kv_used, router.instance_loads()[0].kv_capacity) == (2**53, 2**53)
+
+
 def test_without_demotion_a_trajectory_only_moves_up() -> None:
     """`demote=False`: a near-finished trajectory keeps the large instance holding its long
     context; promotions are unchanged."""
@@ -345,6 +400,9 @@ def test_unknown_ids_and_duplicates() -> None:
         ({"rebuild_window": 0}, "cmlfq.rebuild_window"),
         ({"rebuild_interval": -1}, "cmlfq.rebuild_interval"),
         ({"max_queue_length": 0}, "cmlfq.max_queue_length"),
+        ({"kv_full_fraction": 0.0}, "cmlfq.kv_full_fraction"),
+        ({"kv_full_fraction": 1.01}, "cmlfq.kv_full_fraction"),
+        ({"kv_full_fraction": float("nan")}, "cmlfq.kv_full_fraction"),
     ],
 )
 def test_bad_config_names_the_field(overrides: dict, field: str) -> None:

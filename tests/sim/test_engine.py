@@ -372,3 +372,33 @@ def test_kv_move_from_a_stopped_instance_re_prefills():
     cluster.schedule(0.05, cluster.remove_instance, 0)
     cluster.run_until(lambda: False)
     assert cluster.num_migrations >= 1 and cluster.migration_s == 0.0  # nothing left to move from
+
+
+class KvSpy(LeastLoadRouter):
+    """Least-load, recording every KV report."""
+
+    def __init__(self, config: CmlfqConfig) -> None:
+        super().__init__(config)
+        self.reports: list[tuple[int, int, int]] = []
+
+    def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
+        self.reports.append((instance_id, used_tokens, capacity_tokens))
+        super().set_instance_kv(instance_id, used_tokens, capacity_tokens)
+
+
+def test_instances_report_held_and_queued_kv_to_the_router_when_it_changes():
+    """With room for one sequence, the second waits: the report counts its context as demand.
+    Ended turns stay in the prefix cache, which is evictable and not reported."""
+    config = tiny_config()
+    cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS)
+    cmlfq = CmlfqConfig()
+    router = KvSpy(cmlfq)
+    cluster = RolloutCluster(router, cmlfq, cost, max_batch=1)
+    inst = cluster.add_instance("i0", 1, 0, (0,), ready_at=0.0)
+    capacity = inst.coefficients.token_capacity
+    cluster.start(trace("a", [50], prompt=1000))
+    cluster.start(trace("b", [50], prompt=2000))
+    assert router.reports == [(0, 1000, capacity), (0, 3000, capacity)]
+    cluster.run_until(lambda: not cluster.live)
+    assert [used for _, used, _ in router.reports] == [1000, 3000, 2000, 0]
+    assert inst.cached_tokens > 0

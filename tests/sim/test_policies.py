@@ -24,7 +24,9 @@ def comparison():
 
 
 def test_every_policy_runs_its_steps_and_conserves(comparison):
-    assert set(comparison.results) == set(POLICIES)
+    # Nodes of 4 devices: no TP-8 pool to hold Libra against.
+    assert set(comparison.results) == set(POLICIES) - {"homogeneous_tp8"}
+    assert "does not divide a node of 4" in comparison.skipped["homogeneous_tp8"]
     for name, r in comparison.results.items():
         assert r.num_steps == 4, name
         assert r.trajectories == 4 * 16, name
@@ -140,6 +142,10 @@ def test_config_validation_names_the_field():
         tiny_config(workload=dataclasses.replace(tiny_config().workload, group_size=8))
     with pytest.raises(ValueError, match="sim.profile"):
         tiny_config(profile="tpu")
+    with pytest.raises(ValueError, match="sim.cmlfq_kv_full_fraction"):
+        tiny_config(cmlfq_kv_full_fraction=0.0)
+    with pytest.raises(ValueError, match="sim.planner_rescore_steps"):
+        tiny_config(planner_rescore_steps=-1)
 
 
 def test_every_re_plan_is_logged_with_its_verdict(comparison):
