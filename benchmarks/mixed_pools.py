@@ -31,7 +31,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from libra.planner.plan import place_rollout  # noqa: E402
+from libra.planner.plan import format_rollout_mix, place_rollout  # noqa: E402
 from libra.planner.rollout_cost import RolloutCostModel  # noqa: E402
 from libra.planner.routing_thresholds import capacity_thresholds  # noqa: E402
 from libra.sim import load_sim_config  # noqa: E402
@@ -111,10 +111,6 @@ def throughput(config, history, training, pool, steps: int, seeds: int) -> list[
     return rates
 
 
-def label(pool) -> str:
-    return " + ".join(f"{n}xTP{tp}" for tp, n in pool)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="simulated steps per pool and seed")
@@ -147,13 +143,14 @@ def main() -> int:
         mean = {pool: statistics.fmean(r) for pool, r in rates.items()}
         homogeneous = max((p for p in mean if len(p) == 1), key=mean.get)
         mixed = max((p for p in mean if len(p) > 1), key=mean.get, default=None)
+        best = format_rollout_mix(homogeneous)
         if mixed is None:
-            print(f"| {name} | {plan.training.num_devices} | {label(homogeneous)} | none fits | | | | |")
+            print(f"| {name} | {plan.training.num_devices} | {best} | none fits | | | | |")
             continue
         per_seed = [m / h for m, h in zip(rates[mixed], rates[homogeneous], strict=True)]
         print(
-            f"| {name} | {plan.training.num_devices} | {label(homogeneous)} {mean[homogeneous]:,.0f} "
-            f"| {label(mixed)} {mean[mixed]:,.0f} | {mean[mixed] / mean[homogeneous]:.3f}x "
+            f"| {name} | {plan.training.num_devices} | {best} {mean[homogeneous]:,.0f} "
+            f"| {format_rollout_mix(mixed)} {mean[mixed]:,.0f} | {mean[mixed] / mean[homogeneous]:.3f}x "
             f"| {min(per_seed):.3f}-{max(per_seed):.3f}x | {plan.rollout_mix} | {len(rates)} "
             f"| {time.perf_counter() - started:.0f} |",
             flush=True,

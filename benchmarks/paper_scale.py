@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from libra.planner.config import RequestRecord  # noqa: E402
-from libra.planner.search import NoFeasiblePlan, enumerate_training, search  # noqa: E402
+from libra.planner.search import NoFeasiblePlan, enumerate_training, search_within  # noqa: E402
 from libra.planner.training_cost import TrainingCostModel  # noqa: E402
 from libra.sim import WorkloadGenerator, load_sim_config, run_comparison  # noqa: E402
 from libra.sim.loop import PREFLIGHT_GROUP_OFFSET, preflight_history, training_layout  # noqa: E402
@@ -56,18 +56,14 @@ def mix_table(config) -> str:
     for sizes in [(k,) for k in search_space.rollout_tp_sizes] + [search_space.rollout_tp_sizes]:
         label = "any of " + "/".join(map(str, sizes)) if len(sizes) > 1 else f"TP-{sizes[0]} only"
         try:
-            plan = _search_within(problem, dataclasses.replace(search_space, rollout_tp_sizes=sizes), config)
+            plan = search_within(
+                problem, config.train_factors, config.rollout_factors, rollout_tp_sizes=sizes
+            )
         except NoFeasiblePlan as error:
             rows.append(f"| {label} | - | - | infeasible: {error} | - | - |")
             continue
         rows.append(f"| {label} | {plan.training.config.num_devices} | {_plan_cells(plan)} |")
     return "\n".join(rows) + "\n"
-
-
-def _search_within(problem, search_space, config):
-    """The planner's best plan when its search is restricted to `search_space`."""
-    restricted = dataclasses.replace(problem, config=dataclasses.replace(problem.config, search=search_space))
-    return search(restricted, config.train_factors, config.rollout_factors)
 
 
 def _plan_cells(plan) -> str:
@@ -107,11 +103,14 @@ def split_table(config, max_uneven_rows: int = 6) -> str:
         even_sizes = {c.config.num_devices for c in enumerate_training(divisor_only, cost)}
         found = []
         for n in sorted({c.config.num_devices for c in enumerate_training(problem, cost)}):
-            forced = dataclasses.replace(
-                problem.config.search, min_train_devices=n, min_rollout_devices=config.num_devices - n
-            )
             try:
-                plan = _search_within(problem, forced, config)
+                plan = search_within(
+                    problem,
+                    config.train_factors,
+                    config.rollout_factors,
+                    min_train_devices=n,
+                    min_rollout_devices=config.num_devices - n,
+                )
             except NoFeasiblePlan as error:
                 found.append((n, math.inf, f"| {label} | {n} | infeasible: {error} | - | - | - | - | - |"))
                 continue

@@ -73,7 +73,7 @@ MAX_MODEL_LEN = 1024
 
 
 def _instance_config(model_dir: Path) -> InstanceConfig:
-    return InstanceConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN)
+    return InstanceConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN).for_backend(get_backend("cpu"))
 
 
 def _engine_env() -> dict[str, str]:
@@ -372,7 +372,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     os.environ.update(_engine_env())
-    configure_vllm_env(InstanceConfig(model="unused"))
+    configure_vllm_env(InstanceConfig(model="unused").for_backend(get_backend("cpu")))
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory(prefix="libra-bench-rollout-") as tmp:

@@ -190,10 +190,11 @@ def run_publish(shape: ModelShape, dtype_name: str, threads: int) -> None:
     test budget), so "2 instances" = publish once for both layouts + 2 loads."""
     import tempfile
 
+    from libra.backends import get_backend
     from libra.rollout.config import InstanceConfig
     from libra.rollout.engine import configure_vllm_env
 
-    configure_vllm_env(InstanceConfig())  # before vLLM is imported
+    configure_vllm_env(InstanceConfig().for_backend(get_backend("cpu")))  # before vLLM is imported
     from safetensors.torch import save
     from vllm import LLM
 

@@ -42,7 +42,9 @@ def config() -> LibraConfig:
         # node of 4 devices and TP-2 blocks aligned in it.
         backend=BackendConfig(name="cpu", num_devices=4),
         rollout=RolloutConfig(
-            instance=InstanceConfig(max_model_len=2048, kv_cache_gib=1, max_num_seqs=64),
+            # The engine settings left to the backend (on the CPU: in-process, eager, 1 GiB of KV),
+            # so that the same file runs on a GPU (`scripts/check_cuda.sh`).
+            instance=InstanceConfig(max_model_len=2048, max_num_seqs=64),
             # Eight turns and 128 tokens a turn bound the tiny policy's trajectories (its
             # contexts stay under the model's 2,048 positions).
             agent=AgentLoopConfig(max_turns=8, max_response_tokens=1024, max_tokens_per_turn=128),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from libra.config import LibraConfig, load_config, load_from_file
 from libra.logs import LOG_DIR_ENV, configure_logging
+from libra.tasks.tiny_model import ARCHES
 
 logger = logging.getLogger("libra")
 
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="random weights (default: warm-started by a short SFT on procedural tasks, cached)",
     )
     # Shape defaults (None) come from TinyModelSpec, or from the warm-start recipe's spec.
-    p.add_argument("--arch", choices=("llama", "qwen2"), default=None)
+    p.add_argument("--arch", choices=ARCHES, default=None)
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--num-layers", type=int, default=None)

@@ -1,11 +1,12 @@
 """Hardware backends: the `Backend` protocol, the registry that finds backends by name (built-in
 `cpu`, plugins through the entry-point group `libra.backends`), the cpu backend (CPU slots as
-devices, gloo, and the Megatron-core CPU patches it applies in its workers) and the hardware
+devices, gloo, the Megatron-core CPU patches it applies in its workers, an in-process eager
+rollout engine) and the hardware
 profiles of the accelerators Libra targets, and the `backend` config section (`config`). The cuda
 and ascend backends are the plugin packages under `backends/`.
 """
 
-from libra.backends.base import Availability, Backend, DeviceInfo, HardwareProfile
+from libra.backends.base import Availability, Backend, DeviceInfo, EngineDefaults, HardwareProfile
 from libra.backends.config import BackendConfig
 from libra.backends.registry import available_backends, get_backend
 
@@ -14,6 +15,7 @@ __all__ = [
     "Backend",
     "BackendConfig",
     "DeviceInfo",
+    "EngineDefaults",
     "HardwareProfile",
     "available_backends",
     "get_backend",

@@ -56,6 +56,26 @@ class HardwareProfile:
 
 
 @dataclass(frozen=True)
+class EngineDefaults:
+    """How a rollout engine (vLLM) runs on this hardware unless `rollout.instance` says otherwise:
+    what is best differs by backend, so the backend owns it."""
+
+    in_process: bool
+    """The engine core runs in the instance's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
+    half the memory and seconds less start-up on the CPU, but the engine then shares the GIL with
+    the instance's gRPC frontend, which an accelerator's engine loop cannot afford."""
+    enforce_eager: bool
+    """No CUDA/ACL graphs or torch.compile. Graphs pay most in the long tail's small-batch decode;
+    on the CPU they cost 30-60 s of start-up for ~5 %."""
+    kv_cache_gib: int | None
+    """KV-cache space in GiB (`VLLM_CPU_KVCACHE_SPACE`); None where the engine sizes its KV cache
+    by `gpu_memory_utilization` instead."""
+    gpu_memory_utilization: float | None
+    """Share of the device's memory the engine may take (weights, activations, KV cache); None
+    where it does not apply (the CPU)."""
+
+
+@dataclass(frozen=True)
 class Availability:
     available: bool
     reason: str = ""
@@ -74,6 +94,8 @@ class Backend(Protocol):
     """The variable that restricts a process to its devices (e.g. `CUDA_VISIBLE_DEVICES`)."""
     distributed_backend: str
     """torch.distributed backend for collectives: `gloo`, `nccl`, `hccl`."""
+    engine_defaults: EngineDefaults
+    """The rollout engine's settings on this hardware where the config leaves them unset."""
 
     def availability(self) -> Availability: ...
 

@@ -13,11 +13,19 @@ class BackendConfig:
     """`cpu`, `cuda`, `ascend` or a plugin's name (entry-point group `libra.backends`)."""
     num_devices: int | None = None
     """cpu backend: number of CPU slots (default: one per core). Ignored by other backends."""
+    slots_per_device: int = 1
+    """cuda and ascend: workers that may share one device (e.g. 2: a train rank and a rollout
+    instance on a single GPU, the instance given `rollout.instance.gpu_memory_utilization` below
+    0.5). Ignored by the cpu backend, whose slots are `num_devices`."""
 
     def __post_init__(self) -> None:
         if self.num_devices is not None and self.num_devices < 1:
             raise ValueError(f"backend.num_devices must be >= 1, got {self.num_devices}")
+        if self.slots_per_device < 1:
+            raise ValueError(f"backend.slots_per_device must be >= 1, got {self.slots_per_device}")
 
     def options(self) -> dict[str, object]:
         """Constructor options for `libra.backends.get_backend`."""
-        return {"num_devices": self.num_devices} if self.name == "cpu" else {}
+        if self.name == "cpu":
+            return {"num_devices": self.num_devices}
+        return {"slots_per_device": self.slots_per_device} if self.slots_per_device != 1 else {}

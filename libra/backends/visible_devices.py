@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from libra.backends.base import DeviceInfo
+
 
 def check_device_indices(device_indices: list[int], num_devices: int | None = None) -> None:
     """Raises ValueError unless the indices are non-empty, distinct, >= 0 and, when `num_devices`
@@ -50,6 +52,48 @@ def restrict_visible_devices(
             f"({variable}={inherited!r})"
         )
     return ",".join(entries[i] for i in device_indices)
+
+
+class DeviceSlots:
+    """For accelerator backends: each device listed as `slots_per_device` devices (slot `s` of
+    device `d` is `d * slots_per_device + s`), each with its share of the memory, so that several
+    workers can share one device (a train rank beside a rollout instance on a single GPU, each
+    given its memory share in its own config)."""
+
+    def __init__(self, slots_per_device: int = 1):
+        if slots_per_device < 1:
+            raise ValueError(f"slots_per_device must be >= 1, got {slots_per_device}")
+        self.slots_per_device = slots_per_device
+
+    def slot_inventory(self, devices: list[tuple[str, int]]) -> list[DeviceInfo]:
+        """The slots of `devices` ((kind, memory bytes) per device, in index order)."""
+        n = self.slots_per_device
+        return [
+            DeviceInfo(index=d * n + s, kind=kind, memory_bytes=memory // n)
+            for d, (kind, memory) in enumerate(devices)
+            for s in range(n)
+        ]
+
+    def slots_env(self, variable: str, slot_indices: list[int]) -> dict[str, str]:
+        """`variable` for a worker owning `slot_indices`: the devices they are on."""
+        devices = devices_of_slots(slot_indices, self.slots_per_device)
+        return {variable: restrict_visible_devices(variable, devices)}
+
+
+def devices_of_slots(slot_indices: list[int], slots_per_device: int) -> list[int]:
+    """The devices (positions in this process's view) a worker owning `slot_indices` uses, where
+    device `d` is split into slots `d * slots_per_device ...` (several workers on one device, each
+    with its share of memory: a train rank beside a rollout instance on a single GPU). Raises
+    ValueError when two of the slots are on one device: every rank of a multi-device worker needs
+    a device of its own."""
+    check_device_indices(slot_indices)
+    devices = [i // slots_per_device for i in slot_indices]
+    if len(set(devices)) != len(devices):
+        raise ValueError(
+            f"slots {slot_indices} share a device ({slots_per_device} slots per device): a worker "
+            "of several ranks needs a device per rank"
+        )
+    return devices
 
 
 def local_rank_device(num_visible: int, variable: str, kind: str) -> int | None:

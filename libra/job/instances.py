@@ -109,7 +109,13 @@ class RolloutInstances:
             max_model_len=min(inst.max_model_len, positions or inst.max_model_len),
             tensor_parallel_size=tp_size,
         )
-        spec = InstanceSpec(config, control=self.config.control, host=host, address_file=str(address_file))
+        spec = InstanceSpec(
+            config,
+            backend=self.config.backend,
+            control=self.config.control,
+            host=host,
+            address_file=str(address_file),
+        )
         return spec.to_argv()
 
     # -- instances a plan starts and stops (`libra.job.planning`) --------------------------------

@@ -312,6 +312,10 @@ class GrpoJob:
             *(rollout.run(Group(-i, -i, self.gate.version), task) for i, task in enumerate(tasks, start=1))
         )
         trajectories = [t for group in groups for t in group.trajectories]
+        with self._train_ranks_call(f"the logprob gap of the {when} evaluation"):
+            gap = await asyncio.to_thread(
+                measure_logprob_gap, self.workers.train_ranks.client, trajectories, self.gate.version
+            )
         result = HeldOutEvaluation(
             when=when,
             version=self.gate.version,
@@ -319,6 +323,9 @@ class GrpoJob:
             samples_per_task=self.job.eval_samples,
             mean_reward=sum(t.reward for t in trajectories) / len(trajectories),
             tool_use_rate=sum(bool(t.tool_returns) for t in trajectories) / len(trajectories),
+            logprob_abs_diff=gap.mean,
+            logprob_max_abs_diff=gap.max,
+            num_compared_tokens=gap.num_tokens,
         )
         self.evaluations.append(result)
         self.recorder.evaluation(result)

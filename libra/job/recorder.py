@@ -127,6 +127,12 @@ class HeldOutEvaluation:
     mean_reward: float
     tool_use_rate: float
     """Share of the trajectories that called a tool at least once."""
+    logprob_abs_diff: float = float("nan")
+    """The train/inference gap (mean and max per-token |rollout - trainer| logprob) on up to 8 of
+    these trajectories, the trainer at the same version: unlike a training batch's (sampled mostly
+    by the version before the trainer's), every evaluation yields one. NaN: not measured."""
+    logprob_max_abs_diff: float = float("nan")
+    num_compared_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def write_report(run_dir: str | Path) -> Path:
         *[
             f"- held-out {e['when']} (version {e['version']}, {e['num_tasks']} tasks x "
             f"{e['samples_per_task']}, never trained on): reward {e['mean_reward']:.3f}, "
-            f"tool use {e['tool_use_rate']:.2f}"
+            f"tool use {e['tool_use_rate']:.2f}{_eval_gap(e)}"
             for e in evaluations
         ],
         f"- wall time: {steps[-1]['time_s'] if steps else 0:.0f} s",
@@ -147,6 +147,15 @@ def _gap(step: dict) -> str:
     if not step.get("num_current_tokens") or "logprob_max_abs_diff" not in step:
         return "–"
     return f"{step['logprob_max_abs_diff']:.1e}"
+
+
+def _eval_gap(evaluation: dict) -> str:
+    if not evaluation.get("num_compared_tokens"):
+        return ""
+    return (
+        f", train/inference logprob gap max {evaluation['logprob_max_abs_diff']:.1e} "
+        f"({evaluation['num_compared_tokens']} tokens)"
+    )
 
 
 def _gap_line(steps: list[dict]) -> str:

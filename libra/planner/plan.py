@@ -8,6 +8,7 @@ aligned to that size (so inside one node).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from libra.planner.training_cost import TrainingConfig
@@ -74,7 +75,7 @@ class Plan:
     @property
     def rollout_mix(self) -> str:
         """E.g. `2xTP4 + 1xTP8`: the rollout instances per TP size."""
-        return " + ".join(f"{b.num_instances}xTP{b.tp}" for b in self.buckets if b.num_instances) or "none"
+        return format_rollout_mix((b.tp, b.num_instances) for b in self.buckets)
 
     @property
     def layout_key(self) -> tuple:
@@ -161,3 +162,8 @@ def _first_aligned_block(free: list[bool], first: int, size: int) -> int | None:
             return start
         start += size
     return None
+
+
+def format_rollout_mix(counts: Iterable[tuple[int, int]]) -> str:
+    """`(tp, instances)` pairs as `2xTP4 + 1xTP8` (pairs without instances left out; `none` if all are)."""
+    return " + ".join(f"{n}xTP{tp}" for tp, n in counts if n) or "none"

@@ -359,6 +359,22 @@ def search(
     return dataclasses.replace(plan, search_time_s=time.perf_counter() - started)
 
 
+def search_within(
+    problem: PlanningProblem,
+    train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS,
+    rollout_factors: EfficiencyFactors = DEFAULT_ROLLOUT_FACTORS,
+    **narrowed: object,
+) -> Plan:
+    """`search` with the problem's search space narrowed by `narrowed` (fields of
+    `problem.config.search`, e.g. `rollout_tp_sizes=(4,)`). Raises NoFeasiblePlan likewise."""
+    space = dataclasses.replace(problem.config.search, **narrowed)
+    return search(
+        dataclasses.replace(problem, config=dataclasses.replace(problem.config, search=space)),
+        train_factors,
+        rollout_factors,
+    )
+
+
 def candidate_plans(
     problem: PlanningProblem,
     train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS,
@@ -372,12 +388,10 @@ def candidate_plans(
     between a mix and a homogeneous pool are where it is least trustworthy: these are the
     alternatives a simulator (`Planner`'s rescorer) should see."""
     plans = [optimum if optimum is not None else search(problem, train_factors, rollout_factors)]
-    space = problem.config.search
     singles = []
-    for tp in space.rollout_tp_sizes:
-        only = dataclasses.replace(problem.config, search=dataclasses.replace(space, rollout_tp_sizes=(tp,)))
+    for tp in problem.config.search.rollout_tp_sizes:
         try:
-            singles.append(search(dataclasses.replace(problem, config=only), train_factors, rollout_factors))
+            singles.append(search_within(problem, train_factors, rollout_factors, rollout_tp_sizes=(tp,)))
         except NoFeasiblePlan:
             continue
     seen = {plans[0].layout_key}

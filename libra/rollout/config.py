@@ -6,13 +6,18 @@ Buckets (TP sizes and their remaining-token thresholds) are the scheduler's, in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from libra.backends.base import Backend
 
 
 @dataclass
 class InstanceConfig:
-    """One rollout instance: a vLLM `AsyncLLM` (in-process executor) behind the RolloutInstance
-    gRPC service."""
+    """One rollout instance: a vLLM `AsyncLLM` behind the RolloutInstance gRPC service. The
+    engine settings left None take the backend's `engine_defaults` (`for_backend`)."""
 
     model: str = ""
     """Folder of an HF checkpoint (e.g. one made by `libra make-tiny-model`)."""
@@ -23,12 +28,18 @@ class InstanceConfig:
     with CONTEXT_OVERFLOW."""
     tensor_parallel_size: int = 1
     """TP size k: the instance spans k devices and belongs to the bucket of TP k."""
-    kv_cache_gib: int = 1
-    """VLLM_CPU_KVCACHE_SPACE on CPU (without it vLLM reserves 92 % of RAM)."""
+    kv_cache_gib: int | None = None
+    """KV-cache space on the CPU (VLLM_CPU_KVCACHE_SPACE). Default: the backend's (1 GiB)."""
+    gpu_memory_utilization: float | None = None
+    """Share of the device's memory the engine takes on an accelerator (below 1 when a train
+    rank shares the device). Default: the backend's (0.9)."""
     max_num_seqs: int = 256
     """Requests the engine batches at once."""
-    enforce_eager: bool = True
-    """No torch.compile / graphs: 30-60 s less start-up on CPU for ~5 % speed."""
+    enforce_eager: bool | None = None
+    """No graphs or torch.compile. Default: the backend's (eager on the CPU, graphs on accelerators)."""
+    in_process: bool | None = None
+    """The engine core in the instance's process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Default: the
+    backend's (on the CPU only)."""
     seed: int = 0
     stats_window_s: float = 5.0
     """Window over which Stats reports generated tokens per second."""
@@ -38,11 +49,48 @@ class InstanceConfig:
             raise ValueError(
                 f"rollout.instance.dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}"
             )
-        for name in ("max_model_len", "tensor_parallel_size", "kv_cache_gib", "max_num_seqs"):
+        for name in ("max_model_len", "tensor_parallel_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.instance.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib < 1:
+            raise ValueError(f"rollout.instance.kv_cache_gib must be >= 1, got {self.kv_cache_gib}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                "rollout.instance.gpu_memory_utilization must be in (0, 1], "
+                f"got {self.gpu_memory_utilization}"
+            )
         if self.stats_window_s <= 0:
             raise ValueError(f"rollout.instance.stats_window_s must be > 0, got {self.stats_window_s}")
+
+    def for_backend(self, backend: Backend) -> InstanceConfig:
+        """This config with every engine setting left None taken from `backend.engine_defaults`.
+        A setting the backend has no use for (KV GiB on a GPU, a memory share on the CPU) is an
+        error rather than silently ignored."""
+        defaults = backend.engine_defaults
+        for name, replacement in (
+            ("kv_cache_gib", "gpu_memory_utilization"),
+            ("gpu_memory_utilization", "kv_cache_gib"),
+        ):
+            if getattr(self, name) is not None and getattr(defaults, name) is None:
+                raise ValueError(
+                    f"rollout.instance.{name} does not apply to the {backend.name} backend, whose "
+                    f"engine is sized by rollout.instance.{replacement}"
+                )
+        unset = {
+            f.name: getattr(defaults, f.name)
+            for f in dataclasses.fields(defaults)
+            if getattr(self, f.name) is None
+        }
+        return dataclasses.replace(self, **unset)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every engine setting is decided (`for_backend`), as an engine needs."""
+        return (
+            self.enforce_eager is not None
+            and self.in_process is not None
+            and (self.kv_cache_gib is not None or self.gpu_memory_utilization is not None)
+        )
 
 
 @dataclass

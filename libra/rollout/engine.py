@@ -51,14 +51,24 @@ class EngineInputError(ValueError):
 
 
 def configure_vllm_env(config: InstanceConfig) -> None:
-    """The environment vLLM on CPU needs (set before vLLM is imported; explicit values win)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    """The environment vLLM needs for `config` (resolved: `InstanceConfig.for_backend`), set
+    before vLLM is imported; explicit values win."""
+    _require_resolved(config)
+    if config.kv_cache_gib is not None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # One engine process beside the frontend instead of three: ~2.5 s start and half the memory.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if config.in_process else "1")
+
+
+def _require_resolved(config: InstanceConfig) -> None:
+    if not config.resolved:
+        raise ValueError(
+            "the rollout instance's engine settings are not resolved for a backend: "
+            "use InstanceConfig.for_backend(backend)"
+        )
 
 
 def engine_args(config: InstanceConfig):
@@ -66,7 +76,13 @@ def engine_args(config: InstanceConfig):
     direct side runs: vLLM's defaults differ, e.g. max_num_seqs 128 instead of our 256)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs(
+    return AsyncEngineArgs(**engine_kwargs(config))
+
+
+def engine_kwargs(config: InstanceConfig) -> dict[str, object]:
+    """`engine_args`' arguments, from a resolved `config` (`InstanceConfig.for_backend`)."""
+    _require_resolved(config)
+    kwargs: dict[str, object] = dict(
         model=config.model,
         dtype=config.dtype,
         max_model_len=config.max_model_len,
@@ -80,6 +96,9 @@ def engine_args(config: InstanceConfig):
         # not of the raw logits: RL's importance ratios need the behaviour policy.
         logprobs_mode="processed_logprobs",
     )
+    if config.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    return kwargs
 
 
 class EngineStatsLogger:
@@ -148,6 +167,7 @@ class InstanceEngine:
     def __init__(self, config: InstanceConfig):
         if not config.model:
             raise ValueError("rollout.instance.model must name a model folder")
+        _require_resolved(config)
         self.config = config
         self.weight_version = 0
         self.paused = False

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from libra.backends import BackendConfig, get_backend
 from libra.control.aio_server import start_aio_server
 from libra.control.auth import TOKEN_ENV, read_token_file
 from libra.control.config import ControlConfig
@@ -278,6 +279,8 @@ class InstanceSpec(ArgvSpec):
 
     module = "libra.rollout.instance_server"
     instance: InstanceConfig
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    """Whose `engine_defaults` fill the instance's unset engine settings."""
     control: ControlConfig = field(default_factory=ControlConfig)
     host: str = "127.0.0.1"
     port: int = 0
@@ -304,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         profiler = cProfile.Profile()
         profiler.enable()
     control = dataclasses.replace(spec.control, host=spec.host)
-    exit_code = asyncio.run(serve(spec.instance, control, token, spec.port, spec.address_file))
+    backend = get_backend(spec.backend.name, **spec.backend.options())
+    instance = spec.instance.for_backend(backend)
+    exit_code = asyncio.run(serve(instance, control, token, spec.port, spec.address_file))
     if profile_path:
         profiler.disable()
         profiler.dump_stats(profile_path)

@@ -64,12 +64,16 @@ CHAT_TEMPLATE = (
 )
 
 
+ARCHES = ("llama", "qwen2", "qwen3")
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
     """Shape of the tiny model. Defaults: ~0.6M parameters, builds in a few seconds."""
 
     arch: str = "llama"
-    """`llama` (LlamaForCausalLM) or `qwen2` (Qwen2ForCausalLM: biases on q/k/v)."""
+    """`llama` (LlamaForCausalLM), `qwen2` (Qwen2ForCausalLM: biases on q/k/v) or `qwen3`
+    (Qwen3ForCausalLM: RMSNorm on q and k, no biases; the accelerator configs' family)."""
     vocab_size: int = 1024
     hidden_size: int = 128
     num_layers: int = 2
@@ -83,8 +87,8 @@ class TinyModelSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.arch not in ("llama", "qwen2"):
-            raise ValueError(f"arch must be 'llama' or 'qwen2', got {self.arch!r}")
+        if self.arch not in ARCHES:
+            raise ValueError(f"arch must be one of {', '.join(map(repr, ARCHES))}, got {self.arch!r}")
         if self.vocab_size < 300:
             raise ValueError(
                 f"vocab_size must be >= 300 (256 bytes + specials + merges), got {self.vocab_size}"
@@ -152,7 +156,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
 def build_random_model(spec: TinyModelSpec, tokenizer):
     """A randomly initialised fp32 causal LM of `spec`'s shape, with the tokenizer's special ids."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=len(tokenizer),
@@ -169,7 +173,10 @@ def build_random_model(spec: TinyModelSpec, tokenizer):
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    config = LlamaConfig(**common) if spec.arch == "llama" else Qwen2Config(**common)
+    if spec.arch == "qwen3":  # Qwen3 states its head size (HF's default of 128 is the real models')
+        config = Qwen3Config(**common, head_dim=spec.hidden_size // spec.num_heads)
+    else:
+        config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[spec.arch](**common)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id

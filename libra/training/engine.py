@@ -36,8 +36,13 @@ import torch.distributed as dist
 from libra.training.batching import MicroBatch, make_micro_batches, pad_rows, split_across_ranks
 from libra.training.config import TrainingConfig
 from libra.training.grpo import group_advantages, groups_with_variance, grpo_token_loss
-from libra.training.hf_weights import hf_to_megatron, megatron_to_hf
-from libra.training.model import ModelArchitecture, build_gpt_model, padded_vocab_size
+from libra.training.hf_weights import hf_to_megatron, local_spec_names, megatron_to_hf
+from libra.training.model import (
+    ModelArchitecture,
+    build_gpt_model,
+    padded_vocab_size,
+    transformer_engine_usable,
+)
 from libra.training.parallel import RankInfo
 from libra.training.staleness import StalenessGate
 from libra.training.vocab_parallel import logprobs_and_entropy, mask_vocab_padding
@@ -106,6 +111,9 @@ class TrainEngine:
             )
         self.arch, self.cfg, self.info = arch, cfg, info
         self.device = device or torch.device("cpu")
+        self.te_names = transformer_engine_usable(self.device)
+        """The model is built with Transformer Engine's layer spec (`build_gpt_model`'s choice),
+        whose parameter names differ from the local spec's."""
         self.dtype = _DTYPES[cfg.dtype]
         self.model = self._build_stage(cfg.recompute)
         """The bare stage: parameter names, export, checkpoints."""
@@ -160,6 +168,7 @@ class TrainEngine:
             tp_size=self.info.tp_size,
             pp_rank=self.info.pp_rank,
             pp_size=self.info.pp_size,
+            te_names=self.te_names,
         )
         params = dict(self.model.named_parameters())
         if set(shards) != set(params):
@@ -200,10 +209,17 @@ class TrainEngine:
         local = {name: p.detach() for name, p in self.model.named_parameters()}
         tp_shards: list[dict[str, torch.Tensor]] = [None] * self.info.tp_size  # type: ignore[list-item]
         dist.all_gather_object(tp_shards, local, group=self._tp_group)
-        stage = megatron_to_hf(tp_shards, self.arch, pp_rank=self.info.pp_rank, pp_size=self.info.pp_size)
+        stage = megatron_to_hf(
+            tp_shards, self.arch, pp_rank=self.info.pp_rank, pp_size=self.info.pp_size, te_names=self.te_names
+        )
         stages: list[dict[str, torch.Tensor]] = [None] * self.info.pp_size  # type: ignore[list-item]
         dist.all_gather_object(stages, stage, group=self._pp_group)
         return {name: tensor for part in stages for name, tensor in part.items()}
+
+    def publishable_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by the names weight publication's layouts use (the local layer
+        spec's, whichever spec the model was built with)."""
+        return local_spec_names(dict(self.model.named_parameters()), self.te_names)
 
     # -- logprobs --------------------------------------------------------------------------------
 

@@ -42,6 +42,24 @@ def _layer_names(te_names: bool) -> dict[str, str]:
     return {"input_norm": "input_layernorm.weight", "mlp_norm": "pre_mlp_layernorm.weight"}
 
 
+def local_spec_names(params: dict[str, torch.Tensor], te_names: bool) -> dict[str, torch.Tensor]:
+    """`params` keyed by the local layer spec's names, which weight publication's layouts
+    (`libra.sync.layouts.megatron_layout`) use: Transformer Engine's spec fuses each norm into the
+    linear layer after it and names it there; the tensors themselves are the same."""
+    if not te_names:
+        return params
+    te, local = _layer_names(True), _layer_names(False)
+    suffixes = {"." + te[key]: "." + local[key] for key in te}
+    return {_renamed(name, suffixes): tensor for name, tensor in params.items()}
+
+
+def _renamed(name: str, suffixes: dict[str, str]) -> str:
+    for old, new in suffixes.items():
+        if name.endswith(old):
+            return name[: -len(old)] + new
+    return name
+
+
 # -- layout rules (pure) ------------------------------------------------------------------------
 
 

@@ -252,7 +252,7 @@ class TrainRankServicer:
             )
 
         def publish():
-            params = dict(self.engine.model.named_parameters())
+            params = self.engine.publishable_parameters()
             return self.publisher.publish(
                 request.version, list(request.tp_sizes), params, list(request.release_versions)
             )

@@ -18,7 +18,15 @@ import psutil
 import pytest
 import torch
 
-from libra.backends import Availability, Backend, DeviceInfo, available_backends, get_backend, registry
+from libra.backends import (
+    Availability,
+    Backend,
+    BackendConfig,
+    DeviceInfo,
+    available_backends,
+    get_backend,
+    registry,
+)
 from libra.backends.cpu import CpuBackend
 from libra.backends.profiles import A800_SXM4_80GB, ASCEND_910B, H100_SXM_80GB, H200_SXM_141GB, profile_for
 
@@ -246,6 +254,30 @@ def test_cuda_reason_without_visible_devices(
     assert cuda_backend.availability() == Availability(
         False, "no CUDA device visible (CUDA_VISIBLE_DEVICES='')"
     )
+
+
+@pytest.mark.parametrize("name", ["cuda", "ascend"])
+def test_slots_let_workers_share_a_device(name: str, fake_gpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`backend.slots_per_device=2`: a train rank and a rollout instance on one GPU (the device
+    check's job), each slot with half the memory; a worker of two ranks on one device is refused."""
+    if not _PLUGINS_INSTALLED:
+        pytest.skip("pip install -e backends/cuda -e backends/ascend first")
+    variable = {"cuda": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}[name]
+    monkeypatch.delenv(variable, raising=False)
+    backend = get_backend(name, **BackendConfig(name=name, slots_per_device=2).options())
+    assert [backend.worker_env([slot]) for slot in range(4)] == [{variable: gpu} for gpu in "0011"]
+    assert backend.worker_env([1, 2]) == {variable: "0,1"}
+    with pytest.raises(ValueError, match=r"slots \[2, 3\] share a device \(2 slots per device\)"):
+        backend.worker_env([2, 3])
+    if name == "cuda":
+        fake_gpus(["NVIDIA H200"])
+        assert backend.devices() == [
+            DeviceInfo(index=0, kind="NVIDIA H200", memory_bytes=40 * GiB),
+            DeviceInfo(index=1, kind="NVIDIA H200", memory_bytes=40 * GiB),
+        ]
+    with pytest.raises(ValueError, match="backend.slots_per_device must be >= 1"):
+        BackendConfig(name=name, slots_per_device=0)
+    assert BackendConfig(name=name).options() == {}
 
 
 def test_cuda_inventory_and_profile_from_device_properties(cuda_backend: Backend, fake_gpus) -> None:

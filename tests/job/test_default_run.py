@@ -190,15 +190,15 @@ def test_versions_advance_and_instances_run_the_trainers_weights(run_dir):
     versions = {v for s in read_jsonl(run_dir / "samples.jsonl") for v in s["policy_versions"]}
     assert max(versions) >= NUM_STEPS - 2
     # The instances' sampling logprobs equal the trainer's under the same version: publication
-    # delivered exactly the trainer's weights (fp32 on both sides).
-    # (Only tokens sampled by the trainer's current version can be compared; with staleness 1
-    # many batches hold none.)
-    # Step 1 compares version 0 (the initial weights on both sides), so it proves nothing: a
-    # later step must agree to fp32 rounding.
-    measured = [s for s in steps if s["num_current_tokens"] > 0 and s["step"] > 1]
-    diffs = [s["logprob_abs_diff"] for s in measured]
-    assert measured and min(diffs) < 1e-5, diffs
-    assert max(diffs) < 1e-3, diffs
+    # delivered exactly the trainer's weights (fp32 on both sides). The "after" evaluation is
+    # sampled by the last published version with the trainer at it, so it always compares (a
+    # training batch only where it holds tokens of the trainer's version: with staleness 1 and
+    # rollout ahead of training, most hold none, and on a slow machine possibly none at all).
+    after = next(e for e in read_jsonl(run_dir / "evaluations.jsonl") if e["when"] == "after")
+    assert after["version"] == NUM_STEPS and after["num_compared_tokens"] > 0, after
+    assert after["logprob_max_abs_diff"] < 1e-4, after
+    diffs = [s["logprob_max_abs_diff"] for s in steps if s["num_current_tokens"] > 0]
+    assert all(d < 1e-3 for d in diffs), diffs
     assert max(s["mean_staleness"] for s in steps) <= 2.0  # max_staleness 1 + tail_staleness 1
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from libra.backends import get_backend
 from libra.rollout.config import InstanceConfig
 from libra.rollout.engine import InstanceEngine
 from libra.rollout.types import FinishReason, PauseMode, SamplingSpec
@@ -63,7 +64,7 @@ class FakeAsyncLLM:
 @pytest.mark.parametrize("interrupt", ["pause", "abort"])
 def test_an_interrupt_before_vllm_knows_the_request_still_ends_it(interrupt):
     async def scenario():
-        engine = InstanceEngine(InstanceConfig(model="fake"))
+        engine = InstanceEngine(InstanceConfig(model="fake").for_backend(get_backend("cpu")))
         engine._engine = fake = FakeAsyncLLM()
 
         async def call():

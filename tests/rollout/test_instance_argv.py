@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from libra.backends import BackendConfig
 from libra.control.config import ControlConfig
 from libra.rollout.config import InstanceConfig
 from libra.rollout.instance_server import InstanceSpec
@@ -27,9 +28,11 @@ from libra.rollout.instance_server import InstanceSpec
                 kv_cache_gib=3,
                 max_num_seqs=9,
                 enforce_eager=False,
+                in_process=False,
                 seed=5,
                 stats_window_s=0.25,
             ),
+            backend=BackendConfig(name="cpu", num_devices=3),
             control=ControlConfig(tls_cert_file="/etc/cert.pem", tls_key_file="/etc/key.pem"),
             host="10.0.0.7",
             address_file="/run/instance.addr",

@@ -52,10 +52,11 @@ def trained(tiny_model, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def llm(tiny_model):
     """In-process vLLM (TP=1, fp32) on the checkpoint, with the Libra weight loader."""
+    from libra.backends import get_backend
     from libra.rollout.config import InstanceConfig
     from libra.rollout.engine import configure_vllm_env
 
-    configure_vllm_env(InstanceConfig())  # before vLLM is imported
+    configure_vllm_env(InstanceConfig().for_backend(get_backend("cpu")))  # before vLLM is imported
     from vllm import LLM
 
     from libra.sync.vllm_loader import WORKER_EXTENSION

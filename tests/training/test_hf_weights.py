@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from libra.model_spec import ModelSpec
-from libra.training.hf_weights import fuse_qkv, hf_to_megatron, megatron_to_hf, merge_gate_up, split_qkv
+from libra.training.hf_weights import (
+    fuse_qkv,
+    hf_to_megatron,
+    local_spec_names,
+    megatron_to_hf,
+    merge_gate_up,
+    split_qkv,
+)
 from libra.training.model import ModelArchitecture, padded_vocab_size
 
 
@@ -145,6 +152,28 @@ def test_round_trip_is_exact_for_any_tp_pp(tie, tp, pp):
         back |= megatron_to_hf(shards, a, pp_rank=p, pp_size=pp)
     assert set(back) == set(t)
     assert all(torch.equal(back[k], t[k]) for k in t)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_transformer_engine_names_publish_as_the_local_specs(tp):
+    """A model built with TE's layer spec (on a GPU with TE installed) names its norms inside the
+    linear layers; publication's layouts know the local spec's names. The renaming gives back the
+    local spec's parameters exactly, and the TE round trip through HF is exact too."""
+    a = arch()
+    t = random_hf(a)
+    for r in range(tp):
+        te = hf_to_megatron(t.__getitem__, a, tp_rank=r, tp_size=tp, pp_rank=0, pp_size=1, te_names=True)
+        local = hf_to_megatron(t.__getitem__, a, tp_rank=r, tp_size=tp, pp_rank=0, pp_size=1)
+        assert set(te) != set(local)
+        renamed = local_spec_names(te, te_names=True)
+        assert set(renamed) == set(local) and all(torch.equal(renamed[k], local[k]) for k in local)
+    assert local_spec_names(local, te_names=False) is local
+    shards = [
+        hf_to_megatron(t.__getitem__, a, tp_rank=r, tp_size=tp, pp_rank=0, pp_size=1, te_names=True)
+        for r in range(tp)
+    ]
+    back = megatron_to_hf(shards, a, pp_rank=0, pp_size=1, te_names=True)
+    assert set(back) == set(t) and all(torch.equal(back[k], t[k]) for k in t)
 
 
 LLAMA = {

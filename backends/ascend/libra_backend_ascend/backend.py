@@ -1,4 +1,5 @@
-"""Huawei Ascend NPUs through torch_npu: one device per NPU, HCCL collectives.
+"""Huawei Ascend NPUs through torch_npu: one device per NPU (or `slots_per_device` per NPU), HCCL
+collectives.
 
 Importable without torch or torch_npu: both are imported inside methods (importing torch_npu
 registers the `npu` device type and `torch.npu`), and `availability()` says what is missing. Device
@@ -12,9 +13,9 @@ import os
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from libra.backends.base import Availability, DeviceInfo, HardwareProfile
+from libra.backends.base import Availability, DeviceInfo, EngineDefaults, HardwareProfile
 from libra.backends.profiles import require_profile_for
-from libra.backends.visible_devices import local_rank_device, restrict_visible_devices
+from libra.backends.visible_devices import DeviceSlots, local_rank_device
 
 if TYPE_CHECKING:
     import torch
@@ -22,10 +23,16 @@ if TYPE_CHECKING:
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 
 
-class AscendBackend:
+class AscendBackend(DeviceSlots):
     name = "ascend"
     visible_devices_env = VISIBLE_DEVICES_ENV
     distributed_backend = "hccl"
+    # The engine core in its own process (its busy loop off the gRPC frontend's GIL), ACL graphs
+    # (vllm-ascend's graph mode) for the small-batch decode of the long tail, and vLLM's own
+    # memory share.
+    engine_defaults = EngineDefaults(
+        in_process=False, enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9
+    )
 
     def availability(self) -> Availability:
         try:
@@ -48,18 +55,13 @@ class AscendBackend:
 
     def devices(self) -> list[DeviceInfo]:
         torch = self._require_torch_npu()
-        devices = []
-        for index in range(torch.npu.device_count()):
-            properties = torch.npu.get_device_properties(index)
-            devices.append(
-                DeviceInfo(index=index, kind=properties.name, memory_bytes=properties.total_memory)
-            )
-        return devices
+        properties = [torch.npu.get_device_properties(i) for i in range(torch.npu.device_count())]
+        return self.slot_inventory([(p.name, p.total_memory) for p in properties])
 
     def worker_env(self, device_indices: list[int]) -> dict[str, str]:
         """Only `ASCEND_RT_VISIBLE_DEVICES`. Needs no NPU here: the control plane may compute it
         anywhere."""
-        return {VISIBLE_DEVICES_ENV: restrict_visible_devices(VISIBLE_DEVICES_ENV, device_indices)}
+        return self.slots_env(VISIBLE_DEVICES_ENV, device_indices)
 
     def torch_device(self, local_index: int) -> torch.device:
         if local_index < 0:

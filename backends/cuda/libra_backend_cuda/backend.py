@@ -1,4 +1,4 @@
-"""NVIDIA GPUs through torch.cuda: one device per GPU, NCCL collectives.
+"""NVIDIA GPUs through torch.cuda: one device per GPU (or `slots_per_device` per GPU), NCCL collectives.
 
 Importable without torch: torch is imported inside methods, and `availability()` says what is
 missing. Device indices are positions in this process's view of the GPUs (torch's numbering);
@@ -12,9 +12,9 @@ import os
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from libra.backends.base import Availability, DeviceInfo, HardwareProfile
+from libra.backends.base import Availability, DeviceInfo, EngineDefaults, HardwareProfile
 from libra.backends.profiles import require_profile_for
-from libra.backends.visible_devices import local_rank_device, restrict_visible_devices
+from libra.backends.visible_devices import DeviceSlots, local_rank_device
 
 if TYPE_CHECKING:
     import torch
@@ -22,10 +22,15 @@ if TYPE_CHECKING:
 VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 
 
-class CudaBackend:
+class CudaBackend(DeviceSlots):
     name = "cuda"
     visible_devices_env = VISIBLE_DEVICES_ENV
     distributed_backend = "nccl"
+    # The engine core in its own process (its busy loop off the gRPC frontend's GIL), CUDA graphs
+    # for the small-batch decode of the long tail, and vLLM's own memory share.
+    engine_defaults = EngineDefaults(
+        in_process=False, enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9
+    )
 
     def availability(self) -> Availability:
         try:
@@ -42,17 +47,12 @@ class CudaBackend:
 
     def devices(self) -> list[DeviceInfo]:
         torch = self._require_torch_cuda()
-        devices = []
-        for index in range(torch.cuda.device_count()):
-            properties = torch.cuda.get_device_properties(index)
-            devices.append(
-                DeviceInfo(index=index, kind=properties.name, memory_bytes=properties.total_memory)
-            )
-        return devices
+        properties = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+        return self.slot_inventory([(p.name, p.total_memory) for p in properties])
 
     def worker_env(self, device_indices: list[int]) -> dict[str, str]:
         """Only `CUDA_VISIBLE_DEVICES`. Needs no GPU here: the control plane may compute it anywhere."""
-        return {VISIBLE_DEVICES_ENV: restrict_visible_devices(VISIBLE_DEVICES_ENV, device_indices)}
+        return self.slots_env(VISIBLE_DEVICES_ENV, device_indices)
 
     def torch_device(self, local_index: int) -> torch.device:
         import torch

@@ -1,0 +1,5 @@
+import sys
+
+from libra.checks.runner import main
+
+sys.exit(main())

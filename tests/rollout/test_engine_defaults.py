@@ -1,0 +1,98 @@
+"""Each backend owns its rollout engine's defaults (issue #24): the CPU's in-process eager engine
+with KV space in GiB, the accelerators' engine process with graphs and a memory share. The
+settings a config leaves unset become the backend's, the ones it states win, and a setting the
+backend has no use for is refused by name. The accelerator configs state theirs.
+
+The cuda and ascend plugins must be installed (scripts/setup_env.sh installs them); no GPU is
+needed: nothing here starts an engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from libra.backends import get_backend
+from libra.config import LibraConfig, load_config, load_from_file
+from libra.rollout.config import InstanceConfig
+from libra.rollout.engine import InstanceEngine, configure_vllm_env, engine_kwargs
+from tests.job.test_configs import GPU_JOB_CONFIGS
+
+ENGINE_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ENGINE_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("backend", "multiprocessing", "kv_space", "eager", "memory"),
+    [("cpu", "0", "1", True, None), ("cuda", "1", None, False, 0.9), ("ascend", "1", None, False, 0.9)],
+)
+def test_unset_settings_are_the_backends_and_reach_vllm(
+    clean_env, backend, multiprocessing, kv_space, eager, memory
+):
+    config = InstanceConfig(model="/m").for_backend(get_backend(backend))
+    assert config.resolved
+    configure_vllm_env(config)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == multiprocessing
+    assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == kv_space
+    kwargs = engine_kwargs(config)
+    assert kwargs["enforce_eager"] is eager
+    assert kwargs.get("gpu_memory_utilization") == memory  # the CPU engine has no memory share
+
+
+def test_stated_settings_win_over_the_backends():
+    stated = InstanceConfig(model="/m", enforce_eager=True, in_process=True, gpu_memory_utilization=0.4)
+    assert stated.for_backend(get_backend("cuda")) == stated
+    cpu = InstanceConfig(model="/m", kv_cache_gib=3, enforce_eager=False).for_backend(get_backend("cpu"))
+    assert (cpu.kv_cache_gib, cpu.enforce_eager, cpu.in_process) == (3, False, True)
+
+
+@pytest.mark.parametrize(
+    ("backend", "stated", "message"),
+    [
+        (
+            "cuda",
+            {"kv_cache_gib": 4},
+            "rollout.instance.kv_cache_gib does not apply to the cuda backend, whose engine is sized "
+            "by rollout.instance.gpu_memory_utilization",
+        ),
+        (
+            "cpu",
+            {"gpu_memory_utilization": 0.5},
+            "rollout.instance.gpu_memory_utilization does not apply to the cpu backend",
+        ),
+    ],
+)
+def test_a_setting_the_backend_cannot_use_is_refused(backend, stated, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        InstanceConfig(model="/m", **stated).for_backend(get_backend(backend))
+    # ... also when a whole config is loaded, before any process starts.
+    override = f"rollout.instance.{next(iter(stated))}={next(iter(stated.values()))}"
+    path = "configs/qwen3_4b_r2e.py" if backend == "cuda" else "configs/tiny_cpu.py"
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        load_config(path, [override])
+
+
+@pytest.mark.parametrize("bad", [{"gpu_memory_utilization": 0.0}, {"gpu_memory_utilization": 1.5}])
+def test_a_memory_share_outside_0_1_is_named(bad):
+    with pytest.raises(ValueError, match=r"rollout\.instance\.gpu_memory_utilization must be in \(0, 1\]"):
+        InstanceConfig(**bad)
+
+
+def test_an_engine_refuses_settings_no_backend_decided():
+    with pytest.raises(ValueError, match=r"InstanceConfig\.for_backend"):
+        InstanceEngine(InstanceConfig(model="/m"))
+    with pytest.raises(ValueError, match=r"InstanceConfig\.for_backend"):
+        configure_vllm_env(InstanceConfig())
+
+
+@pytest.mark.parametrize("name", GPU_JOB_CONFIGS)
+def test_the_accelerator_configs_state_their_engine_settings(name):
+    """Stated in the file, not left to the backend: a reader of the config sees how its engines run."""
+    stated = load_from_file(f"configs/{name}.py", "config", LibraConfig).rollout.instance
+    assert (stated.in_process, stated.enforce_eager, stated.gpu_memory_utilization) == (False, False, 0.9)
+    assert load_config(f"configs/{name}.py").rollout.instance == stated
