@@ -253,7 +253,7 @@ class Instance:
     frontend, engine core)."""
 
     def __init__(self, model_dir: Path, workdir: Path):
-        from libra.backends import get_backend
+        from libra.backends import BackendConfig, get_backend
         from libra.control.worker_guard import guarded
         from libra.rollout.config import InstanceConfig
         from libra.rollout.instance_server import InstanceSpec
@@ -262,10 +262,11 @@ class Instance:
         # CPU slot 0 of two, as the cpu backend gives a worker (benchmarks/rollout.py does the same).
         env = {**os.environ, **get_backend("cpu", num_devices=2).worker_env([0]), "LIBRA_TOKEN": TOKEN}
         config = InstanceConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN)
+        cpu = BackendConfig(name="cpu")
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 # Under a worker guard: the instance's tree dies with this process, even a SIGKILLed one.
-                guarded(InstanceSpec(config, address_file=str(self.address_file)).to_argv()),
+                guarded(InstanceSpec(config, cpu, address_file=str(self.address_file)).to_argv()),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

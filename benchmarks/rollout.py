@@ -58,7 +58,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from libra.backends import get_backend  # noqa: E402
+from libra.backends import BackendConfig, get_backend  # noqa: E402
 from libra.rollout.config import InstanceConfig  # noqa: E402
 from libra.rollout.engine import (  # noqa: E402
     EngineStatsLogger,
@@ -113,7 +113,9 @@ class _LibraSide:
         env = {**os.environ, **_engine_env(), "LIBRA_TOKEN": TOKEN}
         with open(self.workdir / "instance.log", "wb") as log:
             self.process = subprocess.Popen(
-                InstanceSpec(_instance_config(self.model_dir), address_file=str(address_file)).to_argv(),
+                InstanceSpec(
+                    _instance_config(self.model_dir), BackendConfig("cpu"), address_file=str(address_file)
+                ).to_argv(),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

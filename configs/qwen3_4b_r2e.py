@@ -76,14 +76,12 @@ def config() -> LibraConfig:
         backend=BackendConfig(name="cuda"),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         rollout=RolloutConfig(
-            # The accelerator engine as the backend sets it, stated: the engine core in its own process,
-            # graphs for the long tail's small-batch decode, 90 % of each device (rollout devices hold
-            # no train rank).
+            # The accelerator engine as the backend sets it, stated: graphs for the long tail's
+            # small-batch decode, 90 % of each device (rollout devices hold no train rank).
             instance=InstanceConfig(
                 dtype="bfloat16",
                 max_model_len=32768,
                 max_num_seqs=128,
-                in_process=False,
                 enforce_eager=False,
                 gpu_memory_utilization=0.9,
             ),

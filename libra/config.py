@@ -24,7 +24,6 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libra.backends import get_backend
 from libra.backends.config import BackendConfig
 from libra.control.config import ControlConfig
 from libra.endpoint.config import EndpointConfig
@@ -89,21 +88,18 @@ class LibraConfig:
                 f"job.rollout_tp_sizes has TP sizes {missing} without a bucket; "
                 f"scheduler.buckets have TP sizes {known}"
             )
-        # The engine settings left unset are the backend's: stated in the resolved config, so
-        # that a run's saved config says how its engines ran.
-        backend = get_backend(self.backend.name, **self.backend.options())
-        rollout = dataclasses.replace(self.rollout, instance=self.rollout.instance.for_backend(backend))
         job, stated = self.job, self.training.train_batch_size
         if stated is None:
-            training = dataclasses.replace(self.training, train_batch_size=job.batch_size)
-            return dataclasses.replace(self, rollout=rollout, training=training)
+            return dataclasses.replace(
+                self, training=dataclasses.replace(self.training, train_batch_size=job.batch_size)
+            )
         if stated != job.batch_size:
             raise ValueError(
                 f"training.train_batch_size ({stated}) must equal job.prompts_per_step x job.group_size "
                 f"({job.prompts_per_step} x {job.group_size} = {job.batch_size}): leave "
                 "training.train_batch_size unset, it is derived from the job's batch"
             )
-        return dataclasses.replace(self, rollout=rollout)
+        return self
 
 
 T = typing.TypeVar("T")

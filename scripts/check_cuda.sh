@@ -15,7 +15,6 @@
 # Other arguments go to `python -m libra.checks` (--out FILE, --workdir DIR).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
 backend=cuda
 args=()
 for arg in "$@"; do
@@ -23,22 +22,30 @@ for arg in "$@"; do
 done
 
 if [ "$backend" = cpu ]; then
-  source scripts/setup_env.sh
+  source "$root/scripts/setup_env.sh"
 else
   venv="$root/.venv-cuda"
-  [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv --system-site-packages "$venv"
+  if [ ! -x "$venv/bin/python" ]; then
+    base="${PYTHON:-python3}"
+    "$base" -m venv --system-site-packages "$venv"
+    # A base python that is itself a venv's (a GPU image's torch often lives in one) has its
+    # packages outside the system site: a .pth line makes them visible below the new venv's own.
+    parent="$("$base" -c 'import site; print(site.getsitepackages()[0])')"
+    own="$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')"
+    [ "$parent" = "$own" ] || echo "$parent" > "$own/_libra_base_site.pth"
+  fi
   source "$venv/bin/activate"
   pip_args=(-q)
   [ -z "${LIBRA_WHEELHOUSE:-}" ] || pip_args+=(--no-index --find-links "$LIBRA_WHEELHOUSE")
   stamp="$venv/.libra-deps"
-  want="$(cat pyproject.toml backends/cuda/pyproject.toml | sha256sum | cut -c1-16)"
+  want="$(cat "$root/pyproject.toml" "$root/backends/cuda/pyproject.toml" | sha256sum | cut -c1-16)"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[libra] installing Libra and its CUDA stack into $venv"
-    python -m pip install "${pip_args[@]}" -e ".[cuda]" -e backends/cuda
+    python -m pip install "${pip_args[@]}" -e "$root[cuda]" -e "$root/backends/cuda"
     # Transformer Engine often has no wheel for the installed torch and CUDA, and then needs a
     # compiler and the CUDA toolkit; without it Megatron runs its local layer spec.
     if ! python -c "import transformer_engine" 2>/dev/null; then
-      python -m pip install "${pip_args[@]}" -e ".[cuda-te]" \
+      python -m pip install "${pip_args[@]}" -e "$root[cuda-te]" \
         || echo "[libra] Transformer Engine did not install: the checks run Megatron's local spec" >&2
     fi
     echo "$want" > "$stamp"

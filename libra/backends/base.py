@@ -60,10 +60,6 @@ class EngineDefaults:
     """How a rollout engine (vLLM) runs on this hardware unless `rollout.instance` says otherwise:
     what is best differs by backend, so the backend owns it."""
 
-    in_process: bool
-    """The engine core runs in the instance's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
-    half the memory and seconds less start-up on the CPU, but the engine then shares the GIL with
-    the instance's gRPC frontend, which an accelerator's engine loop cannot afford."""
     enforce_eager: bool
     """No CUDA/ACL graphs or torch.compile. Graphs pay most in the long tail's small-batch decode;
     on the CPU they cost 30-60 s of start-up for ~5 %."""

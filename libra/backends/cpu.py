@@ -44,11 +44,9 @@ class CpuBackend:
     name = "cpu"
     visible_devices_env = VISIBLE_DEVICES_ENV
     distributed_backend = "gloo"
-    # One engine process instead of three (~2.5 s start, half the memory); no compile (30-60 s
-    # of start-up for ~5 %); 1 GiB of KV (without a size vLLM reserves 92 % of RAM).
-    engine_defaults = EngineDefaults(
-        in_process=True, enforce_eager=True, kv_cache_gib=1, gpu_memory_utilization=None
-    )
+    # No compile (30-60 s of start-up for ~5 %); 1 GiB of KV (without a size vLLM reserves 92 %
+    # of RAM).
+    engine_defaults = EngineDefaults(enforce_eager=True, kv_cache_gib=1, gpu_memory_utilization=None)
 
     def __init__(self, num_devices: int | None = None, cores_per_device: int | None = None):
         """`num_devices`: number of slots (default: one per available core).

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 
-from libra.backends.base import DeviceInfo
+from libra.backends.base import DeviceInfo, HardwareProfile
 
 
 def check_device_indices(device_indices: list[int], num_devices: int | None = None) -> None:
@@ -73,6 +74,20 @@ class DeviceSlots:
             for d, (kind, memory) in enumerate(devices)
             for s in range(n)
         ]
+
+    def slot_profile(self, profile: HardwareProfile) -> HardwareProfile:
+        """`profile` for one slot: the planner plans each slot as a device with its share of the
+        memory, compute and memory bandwidth (the links are the device's)."""
+        n = self.slots_per_device
+        if n == 1:
+            return profile
+        return dataclasses.replace(
+            profile,
+            name=f"{profile.name} (1/{n})",
+            peak_bf16_flops=profile.peak_bf16_flops / n,
+            memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s / n,
+            memory_capacity_bytes=profile.memory_capacity_bytes // n,
+        )
 
     def slots_env(self, variable: str, slot_indices: list[int]) -> dict[str, str]:
         """`variable` for a worker owning `slot_indices`: the devices they are on."""

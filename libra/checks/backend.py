@@ -25,7 +25,7 @@ def run(ctx: CheckContext) -> CheckResult:
         return CheckResult(NAME, False, f"{found}, no hardware profile: {exc}", values)
     defaults = backend.engine_defaults
     engine = (
-        f"in_process={defaults.in_process}, enforce_eager={defaults.enforce_eager}, "
+        f"enforce_eager={defaults.enforce_eager}, "
         f"kv_cache_gib={defaults.kv_cache_gib}, gpu_memory_utilization={defaults.gpu_memory_utilization}"
     )
     values.update(profile=profile, engine_defaults=engine)

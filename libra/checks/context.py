@@ -88,10 +88,14 @@ class CheckContext:
             self._instance = instance.__enter__()
         return self._instance
 
-    def close(self) -> None:
+    def stop_instance(self) -> None:
+        """Stops `instance()`'s process (a check that needs its device memory calls this)."""
         if self._instance is not None:
             self._instance.__exit__(None, None, None)
             self._instance = None
+
+    def close(self) -> None:
+        self.stop_instance()
         if self._world is not None:
             from libra.training.parallel import shutdown
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from libra.backends import Backend, BackendConfig, get_backend
+from libra.control.worker_guard import guarded
 from libra.rollout.client import InstanceClient
 from libra.rollout.config import InstanceConfig
 from libra.rollout.instance_server import InstanceSpec
@@ -58,7 +59,8 @@ class CheckInstance:
         }
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
-                spec.to_argv(),
+                # Under a worker guard: the instance dies with the check, even a SIGKILLed one.
+                guarded(spec.to_argv()),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -29,7 +29,7 @@ FP32_LOGPROB_TOL = 1e-4
 same sums in another order (measured ~1e-6); different weights are off by far more."""
 ACCELERATOR_LOGPROB_TOL = 2e-2
 """Different kernels on an accelerator (vLLM's attention, TF32-eligible matmuls) round fp32
-differently; still an order of magnitude below what a step at `LR` changes."""
+differently. Either tolerance is capped at a tenth of what the step itself moved the logprobs."""
 
 
 def run(ctx: CheckContext) -> CheckResult:
@@ -46,10 +46,14 @@ def run(ctx: CheckContext) -> CheckResult:
     policy = ctx.policy()
     spec = ModelSpec.from_hf_dir(policy)
     arch = ModelArchitecture.from_spec(spec)
-    engine = TrainEngine(
-        arch, TrainingConfig(dtype="float32", lr=LR, train_batch_size=12), info, device=ctx.device
-    )
-    engine.load_hf(hf_tensor_reader(str(policy)))
+    engines = []
+    for _ in range(2):  # the one to step and publish, and the weights before the step
+        engine = TrainEngine(
+            arch, TrainingConfig(dtype="float32", lr=LR, train_batch_size=12), info, device=ctx.device
+        )
+        engine.load_hf(hf_tensor_reader(str(policy)))
+        engines.append(engine)
+    engine, before = engines
     engine.train_step(synthetic_batch(seed=2, vocab=spec.vocab_size))
     source = SourceRank(info.rank, info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, info.dp_rank)
     publisher = TrainerPublisher(ModelShape.from_spec(spec), source, SyncConfig(), VOCAB_DIVISIBLE_BY)
@@ -64,25 +68,27 @@ def run(ctx: CheckContext) -> CheckResult:
         return CheckResult(NAME, False, f"the instance refused version {engine.version}: {loaded.error}")
     mismatched, compared = _compare(engine_params, _vllm_tp1_params(engine.export_hf(), arch))
     trainer_logprobs = engine.compute_logprobs(samples)
-    gaps = [
-        abs(rollout - trainer)
-        for t, row in zip(samples, trainer_logprobs, strict=True)
-        for rollout, trainer in zip(t.rollout_logprobs, row, strict=True)
-    ]
-    tolerance = FP32_LOGPROB_TOL if ctx.device.type == "cpu" else ACCELERATOR_LOGPROB_TOL
+    gaps = _gaps([t.rollout_logprobs for t in samples], trainer_logprobs)
+    # What the same tokens score under the weights before the step: a gap this large would mean
+    # the instance still samples with them. The measured gap must be far below it.
+    step_shift = max(_gaps(before.compute_logprobs(samples), trainer_logprobs))
+    tolerance = min(
+        FP32_LOGPROB_TOL if ctx.device.type == "cpu" else ACCELERATOR_LOGPROB_TOL, step_shift / 10
+    )
     values: dict[str, float | int | str] = {
         "version": engine.version,
         "tensors_compared": compared,
         "tensors_mismatched": len(mismatched),
         "logprob_gap_mean": sum(gaps) / len(gaps),
         "logprob_gap_max": max(gaps),
+        "logprob_step_shift": step_shift,
         "publish_s": published.publish_seconds,
     }
     figure = (
         f"version {engine.version}: {compared - len(mismatched)}/{compared} tensors bit-identical to "
         f"the trainer's export (published in {published.publish_seconds * 1e3:.0f} ms); logprob gap "
         f"on {len(gaps)} sampled tokens mean {values['logprob_gap_mean']:.1e}, max {max(gaps):.1e} "
-        f"(tolerance {tolerance:.0e})"
+        f"(tolerance {tolerance:.0e}; the step moved them by up to {step_shift:.1e})"
     )
     if mismatched:
         figure += f"; differ: {', '.join(mismatched[:4])}"
@@ -110,6 +116,10 @@ async def _load_read_and_sample(instance: CheckInstance, load, version: int):
         return loaded, params, samples
     finally:
         await client.close()
+
+
+def _gaps(a: list[list[float]], b: list[list[float]]) -> list[float]:
+    return [abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True)]
 
 
 def _vllm_tp1_params(hf: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:

@@ -18,18 +18,24 @@ NUM_PROMPTS = 4
 GREEDY_TOKENS = 24
 DECODE_TOKENS = 64
 BATCH_SIZES = (1, 32)
+TIE_TOLERANCE = 1e-3
+"""A greedy token whose transformers logit is this close to the argmax's counts as a near-tie, not
+an error: fp32 on other kernels moves logits by ~1e-5; a wrong model or wrong weights by ~1."""
 
 
 def run(ctx: CheckContext) -> CheckResult:
     rng = random.Random(0)
     vocab = _vocab_size(ctx)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 12))] for _ in range(NUM_PROMPTS)]
-    instance = ctx.instance()
-    greedy, rates = asyncio.run(_exercise(instance, prompts))
-    expected = _transformers_greedy(ctx, prompts)
-    matching = sum(g == e for g, e in zip(greedy, expected, strict=True))
+    greedy, rates = asyncio.run(_exercise(ctx.instance(), prompts))
+    exact, ties, off = _judge_greedy(ctx, prompts, greedy)
     defaults = ctx.backend.engine_defaults
-    values: dict[str, float | int | str] = {"greedy_matching": matching, "prompts": NUM_PROMPTS}
+    values: dict[str, float | int | str] = {
+        "greedy_exact": exact,
+        "greedy_near_ties": ties,
+        "greedy_off": len(off),
+        "prompts": NUM_PROMPTS,
+    }
     values.update({f"decode_tok_s_batch_{b}": rate for b, rate in rates.items()})
     decode = ", ".join(f"batch {b} {rate:,.0f} tok/s" for b, rate in rates.items())
     mode = "eager" if defaults.enforce_eager else "graphs"
@@ -41,15 +47,13 @@ def run(ctx: CheckContext) -> CheckResult:
         decode += "; eager " + ", ".join(
             f"batch {b} {rate:,.0f} tok/s ({rates[b] / rate:.2f}x)" for b, rate in eager_rates.items()
         )
-    process = "in-process engine" if defaults.in_process else "engine process"
     figure = (
-        f"greedy {matching}/{NUM_PROMPTS} prompts equal transformers' ({GREEDY_TOKENS} tokens each); "
-        f"{process}, {mode}: {decode}"
+        f"greedy equals transformers' on {exact}/{NUM_PROMPTS} prompts ({GREEDY_TOKENS} tokens each, "
+        f"{ties} near-ties); {mode}: {decode}"
     )
-    if matching < NUM_PROMPTS:
-        first = next(i for i, (g, e) in enumerate(zip(greedy, expected, strict=True)) if g != e)
-        figure += f"; prompt {first}: vLLM {greedy[first]} vs transformers {expected[first]}"
-    return CheckResult(NAME, matching == NUM_PROMPTS, figure, values)
+    if off:
+        figure += "; off: " + "; ".join(off[:3])
+    return CheckResult(NAME, not off, figure, values)
 
 
 async def _exercise(instance: CheckInstance, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
@@ -85,19 +89,30 @@ def _vocab_size(ctx: CheckContext) -> int:
     return ModelSpec.from_hf_dir(ctx.policy()).vocab_size
 
 
-def _transformers_greedy(ctx: CheckContext, prompts: list[list[int]]) -> list[list[int]]:
-    """The argmax continuation of each prompt under transformers (fp32, no cache: an independent
-    reference, not a second engine)."""
+def _judge_greedy(
+    ctx: CheckContext, prompts: list[list[int]], greedy: list[list[int]]
+) -> tuple[int, int, list[str]]:
+    """vLLM's greedy tokens under transformers (fp32, teacher-forced: an independent reference,
+    not a second engine): the prompts continued exactly by transformers' argmax, the tokens that
+    are not its argmax but within `TIE_TOLERANCE` of it (kernels that sum in another order may
+    pick either), and a description of each token further off."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ctx.policy(), dtype=torch.float32).to(ctx.device).eval()
-    out = []
+    exact, ties, off = 0, 0, []
     with torch.no_grad():
-        for prompt in prompts:
-            tokens = list(prompt)
-            for _ in range(GREEDY_TOKENS):
-                logits = model(torch.tensor([tokens], device=ctx.device)).logits[0, -1]
-                tokens.append(int(logits.argmax()))
-            out.append(tokens[len(prompt) :])
-    return out
+        for i, (prompt, tokens) in enumerate(zip(prompts, greedy, strict=True)):
+            logits = model(torch.tensor([prompt + tokens], device=ctx.device)).logits[0].float()
+            steps = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+            best = steps.max(dim=-1).values
+            chosen = steps[torch.arange(len(tokens)), torch.tensor(tokens, device=ctx.device)]
+            gaps = (best - chosen).tolist()
+            exact += all(gap == 0 for gap in gaps)
+            ties += sum(0 < gap <= TIE_TOLERANCE for gap in gaps)
+            off += [
+                f"prompt {i} token {j}: {gap:.1e} below the argmax"
+                for j, gap in enumerate(gaps)
+                if gap > TIE_TOLERANCE
+            ]
+    return exact, ties, off

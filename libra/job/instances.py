@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from libra.backends import get_backend
 from libra.config import LibraConfig
 from libra.job.cluster import JobCluster, Placement
 from libra.job.fleet import Fleet, FleetWorker, WorkerKind
@@ -22,9 +23,26 @@ from libra.job.publication import WeightPublication
 from libra.job.recorder import JobEvent, RunRecorder
 from libra.job.trainer import TrainRanks
 from libra.model_spec import ModelSpec
-from libra.rollout import InstancePool
+from libra.rollout import InstanceConfig, InstancePool
 from libra.rollout.instance_server import InstanceSpec
 from libra.scheduler import CmlfqRouter
+
+
+def resolved_instance_config(config: LibraConfig) -> InstanceConfig:
+    """The run's rollout instance config with the backend's engine defaults filled in (what the
+    run's instances start with): a setting the backend cannot use is refused here, before any
+    start, and so is an engine memory share that does not leave room for the other workers of a
+    shared device (`backend.slots_per_device`)."""
+    backend = get_backend(config.backend.name, **config.backend.options())
+    instance = config.rollout.instance.for_backend(backend)
+    slots = config.backend.slots_per_device
+    share = instance.gpu_memory_utilization
+    if share is not None and slots > 1 and share > 1 / slots:
+        raise ValueError(
+            f"rollout.instance.gpu_memory_utilization ({share}) leaves the other workers of a device no "
+            f"room: with backend.slots_per_device={slots} it must be at most {1 / slots:.2f}"
+        )
+    return instance
 
 
 class RolloutInstances:

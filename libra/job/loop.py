@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ import grpc
 
 from libra.config import LibraConfig
 from libra.job.agents import load_agent
+from libra.job.instances import resolved_instance_config
 from libra.job.planning import StepTimes
 from libra.job.recorder import (
     HeldOutEvaluation,
@@ -76,6 +78,10 @@ class TrainingLost(RuntimeError):
 class GrpoJob:
     def __init__(self, config: LibraConfig, resume: bool = False):
         config = config.resolved()  # a config built in code, not loaded, is checked and completed here
+        # The engine settings left unset are the backend's, stated in the job's config.
+        config = dataclasses.replace(
+            config, rollout=dataclasses.replace(config.rollout, instance=resolved_instance_config(config))
+        )
         self.config, self.job, self.resume = config, config.job, resume
         self.run_dir = Path(config.run_dir)
         self._resume_from = _last_checkpoint(self.run_dir) if resume else None  # refused before any start

@@ -37,9 +37,6 @@ class InstanceConfig:
     """Requests the engine batches at once."""
     enforce_eager: bool | None = None
     """No graphs or torch.compile. Default: the backend's (eager on the CPU, graphs on accelerators)."""
-    in_process: bool | None = None
-    """The engine core in the instance's process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Default: the
-    backend's (on the CPU only)."""
     seed: int = 0
     stats_window_s: float = 5.0
     """Window over which Stats reports generated tokens per second."""
@@ -84,12 +81,10 @@ class InstanceConfig:
         return dataclasses.replace(self, **unset)
 
     @property
-    def resolved(self) -> bool:
+    def engine_settings_decided(self) -> bool:
         """Whether every engine setting is decided (`for_backend`), as an engine needs."""
-        return (
-            self.enforce_eager is not None
-            and self.in_process is not None
-            and (self.kv_cache_gib is not None or self.gpu_memory_utilization is not None)
+        return self.enforce_eager is not None and (
+            self.kv_cache_gib is not None or self.gpu_memory_utilization is not None
         )
 
 

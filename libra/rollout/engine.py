@@ -60,11 +60,14 @@ def configure_vllm_env(config: InstanceConfig) -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if config.in_process else "1")
+    # The model runner inside the engine-core process instead of a third process: ~2.5 s less
+    # start-up and half the memory on the CPU. (vLLM's v1 engine core always runs in a process of
+    # its own; at TP 1 on a GPU its executor runs there anyway, at TP > 1 in worker processes.)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def _require_resolved(config: InstanceConfig) -> None:
-    if not config.resolved:
+    if not config.engine_settings_decided:
         raise ValueError(
             "the rollout instance's engine settings are not resolved for a backend: "
             "use InstanceConfig.for_backend(backend)"

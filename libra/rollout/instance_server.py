@@ -279,7 +279,7 @@ class InstanceSpec(ArgvSpec):
 
     module = "libra.rollout.instance_server"
     instance: InstanceConfig
-    backend: BackendConfig = field(default_factory=BackendConfig)
+    backend: BackendConfig
     """Whose `engine_defaults` fill the instance's unset engine settings."""
     control: ControlConfig = field(default_factory=ControlConfig)
     host: str = "127.0.0.1"

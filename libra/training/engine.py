@@ -112,8 +112,8 @@ class TrainEngine:
         self.arch, self.cfg, self.info = arch, cfg, info
         self.device = device or torch.device("cpu")
         self.te_names = transformer_engine_usable(self.device)
-        """The model is built with Transformer Engine's layer spec (`build_gpt_model`'s choice),
-        whose parameter names differ from the local spec's."""
+        """The model is built with Transformer Engine's layer spec (where usable), whose parameter
+        names differ from the local spec's."""
         self.dtype = _DTYPES[cfg.dtype]
         self.model = self._build_stage(cfg.recompute)
         """The bare stage: parameter names, export, checkpoints."""
@@ -143,6 +143,7 @@ class TrainEngine:
             dtype=self.dtype,
             device=self.device,
             recompute=recompute,
+            transformer_engine=self.te_names,
         )
 
     @property

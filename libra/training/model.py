@@ -204,8 +204,10 @@ def build_gpt_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     recompute: str = "none",
+    transformer_engine: bool | None = None,
 ):
-    """One pipeline stage of the model on this rank. Needs `parallel.initialize` first."""
+    """One pipeline stage of the model on this rank. Needs `parallel.initialize` first.
+    `transformer_engine`: build with TE's layer spec (None: where it is usable on `device`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -214,7 +216,9 @@ def build_gpt_model(
 
     device = device or torch.device("cpu")
     config = build_transformer_config(arch, tensor_parallel, pipeline_parallel, dtype, device, recompute)
-    if transformer_engine_usable(device):
+    if transformer_engine is None:
+        transformer_engine = transformer_engine_usable(device)
+    if transformer_engine:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")

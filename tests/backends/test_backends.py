@@ -275,6 +275,10 @@ def test_slots_let_workers_share_a_device(name: str, fake_gpus, monkeypatch: pyt
             DeviceInfo(index=0, kind="NVIDIA H200", memory_bytes=40 * GiB),
             DeviceInfo(index=1, kind="NVIDIA H200", memory_bytes=40 * GiB),
         ]
+        # The planner plans each slot with half of the GPU.
+        profile = backend.hardware_profile()
+        assert profile.memory_capacity_bytes == H200_SXM_141GB.memory_capacity_bytes // 2
+        assert profile.peak_bf16_flops == H200_SXM_141GB.peak_bf16_flops / 2
     with pytest.raises(ValueError, match="backend.slots_per_device must be >= 1"):
         BackendConfig(name=name, slots_per_device=0)
     assert BackendConfig(name=name).options() == {}

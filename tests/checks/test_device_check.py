@@ -86,10 +86,10 @@ def test_check_cuda_sh_cpu_passes_every_check_with_its_figure(tmp_path):
     assert step["grad_norm_bf16"] > 0 and step["grad_norm_fp32"] > 0
     assert step["main_changed_bf16"] > 0.5
     rollout = checks["rollout engine"]["values"]
-    assert rollout["greedy_matching"] == rollout["prompts"] > 0
+    assert rollout["greedy_exact"] == rollout["prompts"] > 0 and rollout["greedy_off"] == 0
     assert rollout["decode_tok_s_batch_32"] > 0 and rollout["decode_tok_s_batch_1"] > 0
     published = checks["publication"]["values"]
     assert published["tensors_compared"] > 0 and published["tensors_mismatched"] == 0
-    assert published["logprob_gap_max"] < 1e-4
+    assert published["logprob_gap_max"] < min(1e-4, published["logprob_step_shift"] / 10)
     job = checks["job"]["values"]
     assert job["steps"] == 5 and job["lost"] == 0 and job["trajectories"] > 0

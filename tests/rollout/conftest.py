@@ -67,22 +67,20 @@ class InstanceProcess:
                 self.kill()
 
 
-def instance_argv(
-    model_dir: Path, address_file: Path, max_model_len: int = MAX_MODEL_LEN, in_process: bool | None = None
-) -> list[str]:
-    config = InstanceConfig(model=str(model_dir), max_model_len=max_model_len, in_process=in_process)
-    return InstanceSpec(config, address_file=str(address_file)).to_argv()
+def instance_argv(model_dir: Path, address_file: Path, max_model_len: int = MAX_MODEL_LEN) -> list[str]:
+    config = InstanceConfig(model=str(model_dir), max_model_len=max_model_len)
+    return InstanceSpec(config, BackendConfig(name="cpu"), address_file=str(address_file)).to_argv()
 
 
 def spawn_instance(
-    model_dir: Path, run_dir: Path, name: str, device: int, in_process: bool | None = None
+    model_dir: Path, run_dir: Path, name: str, device: int
 ) -> tuple[subprocess.Popen, Path, Path]:
     run_dir.mkdir(parents=True, exist_ok=True)
     address_file, log_path = run_dir / f"{name}.addr", run_dir / f"{name}.log"
     env = {**os.environ, **get_backend("cpu", num_devices=2).worker_env([device]), "LIBRA_TOKEN": TOKEN}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            instance_argv(model_dir, address_file, in_process=in_process),
+            instance_argv(model_dir, address_file),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -157,12 +155,7 @@ def start_controller_and_agent(run_dir: Path) -> tuple[Controller, subprocess.Po
 @pytest.fixture(scope="session")
 def rollout_cluster(model_dirs, tmp_path_factory) -> RolloutCluster:
     run_dir = tmp_path_factory.mktemp("instances")
-    # The second runs its engine core in a process of its own, as the accelerator backends do
-    # (`EngineDefaults.in_process`): every test of the pair covers both layouts.
-    spawned = [
-        spawn_instance(model_dirs.scripted, run_dir, f"instance{i}", device=i, in_process=i == 0)
-        for i in range(2)
-    ]
+    spawned = [spawn_instance(model_dirs.scripted, run_dir, f"instance{i}", device=i) for i in range(2)]
     controller, agent = None, None
     try:
         controller, agent, agent_id = start_controller_and_agent(run_dir)
@@ -193,8 +186,7 @@ def rollout_cluster(model_dirs, tmp_path_factory) -> RolloutCluster:
 
 @pytest.fixture(scope="session")
 def instances(rollout_cluster) -> list[InstanceProcess]:
-    """Two instances of the scripted model, on CPU slots 0 and 1; the second's engine core runs
-    in its own process."""
+    """Two instances of the scripted model, on CPU slots 0 and 1."""
     return rollout_cluster.instances
 
 

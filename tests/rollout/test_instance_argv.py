@@ -18,7 +18,7 @@ from libra.rollout.instance_server import InstanceSpec
 @pytest.mark.parametrize(
     "spec",
     [
-        InstanceSpec(InstanceConfig(model="/models/tiny")),
+        InstanceSpec(InstanceConfig(model="/models/tiny"), BackendConfig()),
         InstanceSpec(
             InstanceConfig(
                 model="/models/x y",
@@ -28,7 +28,6 @@ from libra.rollout.instance_server import InstanceSpec
                 kv_cache_gib=3,
                 max_num_seqs=9,
                 enforce_eager=False,
-                in_process=False,
                 seed=5,
                 stats_window_s=0.25,
             ),
@@ -46,7 +45,7 @@ def test_argv_round_trips_every_field(spec):
 
 
 def test_a_bad_field_is_named():
-    argv = InstanceSpec(InstanceConfig(model="/m")).to_argv()
+    argv = InstanceSpec(InstanceConfig(model="/m"), BackendConfig()).to_argv()
     broken = argv[-1].replace('"max_num_seqs"', '"max_seqs"')
     with pytest.raises(ValueError, match=r"InstanceSpec.instance has no field\(s\) \['max_seqs'\]"):
         InstanceSpec.from_argv([argv[-2], broken])

@@ -27,12 +27,9 @@ class AscendBackend(DeviceSlots):
     name = "ascend"
     visible_devices_env = VISIBLE_DEVICES_ENV
     distributed_backend = "hccl"
-    # The engine core in its own process (its busy loop off the gRPC frontend's GIL), ACL graphs
-    # (vllm-ascend's graph mode) for the small-batch decode of the long tail, and vLLM's own
+    # ACL graphs (vllm-ascend's graph mode) for the small-batch decode of the long tail; vLLM's own
     # memory share.
-    engine_defaults = EngineDefaults(
-        in_process=False, enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9
-    )
+    engine_defaults = EngineDefaults(enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9)
 
     def availability(self) -> Availability:
         try:
@@ -73,7 +70,7 @@ class AscendBackend(DeviceSlots):
     def hardware_profile(self) -> HardwareProfile:
         """The profile of NPU 0 (hosts are homogeneous). Raises RuntimeError for an NPU without a
         profile rather than guessing figures the planner would trust."""
-        return require_profile_for(self.devices()[0].kind)
+        return self.slot_profile(require_profile_for(self.devices()[0].kind))
 
     def prepare_worker(self) -> None:
         """Makes NPU `LOCAL_RANK` (torchrun's variable) the current device when it is set;

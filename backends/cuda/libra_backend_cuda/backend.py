@@ -26,11 +26,8 @@ class CudaBackend(DeviceSlots):
     name = "cuda"
     visible_devices_env = VISIBLE_DEVICES_ENV
     distributed_backend = "nccl"
-    # The engine core in its own process (its busy loop off the gRPC frontend's GIL), CUDA graphs
-    # for the small-batch decode of the long tail, and vLLM's own memory share.
-    engine_defaults = EngineDefaults(
-        in_process=False, enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9
-    )
+    # CUDA graphs for the small-batch decode of the long tail; vLLM's own memory share.
+    engine_defaults = EngineDefaults(enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9)
 
     def availability(self) -> Availability:
         try:
@@ -64,7 +61,7 @@ class CudaBackend(DeviceSlots):
     def hardware_profile(self) -> HardwareProfile:
         """The datasheet profile of GPU 0 (hosts are homogeneous). Raises RuntimeError for a GPU
         without a profile rather than guessing figures the planner would trust."""
-        return require_profile_for(self.devices()[0].kind)
+        return self.slot_profile(require_profile_for(self.devices()[0].kind))
 
     def prepare_worker(self) -> None:
         """Makes GPU `LOCAL_RANK` (torchrun's variable) the current device when it is set;
