@@ -1,7 +1,6 @@
 """What the checks share: the backend, its torch device, one torch.distributed world and Megatron
-parallel state (a process can initialize them once), a tiny random Qwen3 checkpoint, a tiny
-Qwen3 policy with a tokenizer and chat template as the job serves one, and the rollout instance
-serving it."""
+parallel state (a process can initialize them once), a tiny random Qwen3 with a tokenizer and
+chat template, and the rollout instance serving it."""
 
 from __future__ import annotations
 
@@ -10,6 +9,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from libra.tasks.tiny_model import TinyModelSpec, make_tiny_model
+
 if TYPE_CHECKING:
     import torch
 
@@ -17,8 +18,11 @@ if TYPE_CHECKING:
     from libra.checks.instance import CheckInstance
     from libra.training.parallel import RankInfo
 
-TINY_VOCAB = 300
-"""Not a multiple of 128: Megatron pads the vocabulary, as it does for real models."""
+TINY_QWEN3 = TinyModelSpec(arch="qwen3", vocab_size=300, norm_std=0.2, tie_word_embeddings=True)
+"""The checks' model, with the factory's tokenizer and chat template (an instance and the job
+serve it): a vocabulary that is no multiple of 128, which Megatron pads as it does real models';
+norms away from 1, so that swapped norms show; tied embeddings, as the smaller Qwen3s have."""
+TINY_VOCAB = TINY_QWEN3.vocab_size
 
 
 class CheckContext:
@@ -27,7 +31,6 @@ class CheckContext:
         self.workdir = workdir
         self._world: RankInfo | None = None
         self._tiny_model: Path | None = None
-        self._policy: Path | None = None
         self._instance: CheckInstance | None = None
 
     @cached_property
@@ -59,39 +62,25 @@ class CheckContext:
         return self._world
 
     def tiny_model(self) -> Path:
-        """A random Qwen3 (QK-norm, GQA 4q/2kv, head_dim 16, tied embeddings) in fp32 safetensors."""
+        """`TINY_QWEN3`, built on first use (`libra.tasks.tiny_model`, a few seconds)."""
         if self._tiny_model is None:
-            self._tiny_model = _write_tiny_qwen3(self.workdir / "tiny-qwen3")
+            self._tiny_model = make_tiny_model(self.workdir / "tiny-qwen3", TINY_QWEN3)
         return self._tiny_model
 
-    def policy(self) -> Path:
-        """`libra make-tiny-model --random --arch qwen3`: a random Qwen3 with the factory's
-        tokenizer and chat template, what a rollout instance and the job need to serve a model."""
-        if self._policy is None:
-            from libra.tasks.tiny_model import TinyModelSpec, make_tiny_model
-
-            self._policy = make_tiny_model(self.workdir / "tiny-policy", TinyModelSpec(arch="qwen3"))
-        return self._policy
-
     def instance(self) -> CheckInstance:
-        """A rollout instance serving `policy()` in fp32 (exact comparisons) with the backend's
+        """A rollout instance serving `tiny_model()` in fp32 (exact comparisons) with the backend's
         engine defaults, started on first use and kept until `close`."""
         if self._instance is None:
             from libra.checks.instance import CheckInstance, check_instance_config
 
-            instance = CheckInstance(
-                check_instance_config(self.policy(), self.backend),
-                self.backend_name,
-                self.workdir,
-                "instance",
-            )
-            self._instance = instance.__enter__()
+            config = check_instance_config(self.tiny_model(), self.backend)
+            self._instance = CheckInstance(config, self.backend_name, self.workdir, "instance").start()
         return self._instance
 
     def stop_instance(self) -> None:
         """Stops `instance()`'s process (a check that needs its device memory calls this)."""
         if self._instance is not None:
-            self._instance.__exit__(None, None, None)
+            self._instance.stop()
             self._instance = None
 
     def close(self) -> None:
@@ -107,34 +96,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _write_tiny_qwen3(directory: Path, seed: int = 0) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float()
-    # HF's init (std 0.02) leaves logits near zero, where a wrong mapping can hide: wider weights,
-    # and norms away from 1 so that swapped norms show.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory

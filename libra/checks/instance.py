@@ -50,7 +50,7 @@ class CheckInstance:
         self.address = ""
         self._process: subprocess.Popen | None = None
 
-    def __enter__(self) -> CheckInstance:
+    def start(self) -> CheckInstance:
         spec = InstanceSpec(self.config, backend=self.backend, address_file=str(self.address_file))
         env = {
             **os.environ,
@@ -70,7 +70,7 @@ class CheckInstance:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.address_file.is_file():
             if self._process.poll() is not None or time.monotonic() > deadline:
-                self.__exit__(None, None, None)
+                self.stop()
                 tail = self.log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"the rollout instance did not start (log {self.log_path}):\n{tail}")
             time.sleep(0.2)
@@ -81,7 +81,7 @@ class CheckInstance:
         """A client for this instance; create it inside the event loop that uses it."""
         return InstanceClient(self.address, self.token)
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         if self._process is None or self._process.poll() is not None:
             return
         os.killpg(self._process.pid, signal.SIGTERM)
@@ -90,3 +90,9 @@ class CheckInstance:
         except subprocess.TimeoutExpired:
             os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()
+
+    def __enter__(self) -> CheckInstance:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

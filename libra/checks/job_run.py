@@ -31,7 +31,7 @@ def overrides(ctx: CheckContext, run_dir: Path, dataset: Path) -> list[str]:
     common = [
         f"run_dir={run_dir}",
         f"backend.name={ctx.backend_name}",
-        f"job.model={ctx.policy()}",
+        f"job.model={ctx.tiny_model()}",
         f"tasks.dataset_path={dataset}",
         f"job.num_steps={NUM_STEPS}",
         "job.rollout_tp_sizes=",

@@ -43,7 +43,7 @@ def run(ctx: CheckContext) -> CheckResult:
     from libra.training.model import VOCAB_DIVISIBLE_BY, ModelArchitecture
 
     info = ctx.world()
-    policy = ctx.policy()
+    policy = ctx.tiny_model()
     spec = ModelSpec.from_hf_dir(policy)
     arch = ModelArchitecture.from_spec(spec)
     engines = []

@@ -40,7 +40,7 @@ def run(ctx: CheckContext) -> CheckResult:
     decode = ", ".join(f"batch {b} {rate:,.0f} tok/s" for b, rate in rates.items())
     mode = "eager" if defaults.enforce_eager else "graphs"
     if not defaults.enforce_eager:
-        eager_config = check_instance_config(ctx.policy(), ctx.backend, enforce_eager=True)
+        eager_config = check_instance_config(ctx.tiny_model(), ctx.backend, enforce_eager=True)
         with CheckInstance(eager_config, ctx.backend_name, ctx.workdir, "eager-instance") as eager:
             _, eager_rates = asyncio.run(_exercise(eager, prompts))
         values.update({f"eager_decode_tok_s_batch_{b}": rate for b, rate in eager_rates.items()})
@@ -86,7 +86,7 @@ async def _exercise(instance: CheckInstance, prompts: list[list[int]]) -> tuple[
 def _vocab_size(ctx: CheckContext) -> int:
     from libra.model_spec import ModelSpec
 
-    return ModelSpec.from_hf_dir(ctx.policy()).vocab_size
+    return ModelSpec.from_hf_dir(ctx.tiny_model()).vocab_size
 
 
 def _judge_greedy(
@@ -99,7 +99,7 @@ def _judge_greedy(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ctx.policy(), dtype=torch.float32).to(ctx.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(ctx.tiny_model(), dtype=torch.float32).to(ctx.device).eval()
     exact, ties, off = 0, 0, []
     with torch.no_grad():
         for i, (prompt, tokens) in enumerate(zip(prompts, greedy, strict=True)):

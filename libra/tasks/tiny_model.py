@@ -84,6 +84,10 @@ class TinyModelSpec:
     init_std: float = 0.1
     """Std of the random weights. Larger than HF's 0.02 so that logits are peaked: greedy choices
     then have clear margins and agree across engines despite fp32 rounding differences."""
+    norm_std: float = 0.0
+    """Std of the norms' weights around 1 (0: HF's ones): apart from 1, a weight mapping that
+    swaps two norms changes the logits."""
+    tie_word_embeddings: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -170,7 +174,7 @@ def build_random_model(spec: TinyModelSpec, tokenizer):
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
         torch_dtype="float32",
     )
     if spec.arch == "qwen3":  # Qwen3 states its head size (HF's default of 128 is the real models')
@@ -179,6 +183,11 @@ def build_random_model(spec: TinyModelSpec, tokenizer):
         config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[spec.arch](**common)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.norm_std:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(1.0, spec.norm_std)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = None

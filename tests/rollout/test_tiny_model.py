@@ -75,6 +75,21 @@ def test_cli_builds_a_qwen2_model_that_loads_offline(tmp_path):
         assert model(torch.tensor([ids])).logits.shape == (1, len(ids), model.config.vocab_size)
 
 
+def test_a_qwen3_with_tied_embeddings_and_norms_away_from_1(tmp_path):
+    """The device check's model (`libra.checks.context.TINY_QWEN3`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from libra.tasks.tiny_model import make_tiny_model
+
+    spec = TinyModelSpec(arch="qwen3", vocab_size=300, norm_std=0.2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", spec))
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.vocab_size == 300
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    norms = torch.cat([p.flatten() for name, p in model.named_parameters() if "norm" in name])
+    assert 0.15 < (norms - 1).std().item() < 0.25
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
