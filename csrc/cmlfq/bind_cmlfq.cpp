@@ -19,6 +19,16 @@ using DecisionTuple = std::tuple<uint32_t, cmlfq::InstanceId, int, bool>;  // bu
 
 DecisionTuple as_tuple(const Decision& d) { return {d.bucket, d.instance, static_cast<int>(d.reason), d.migrated}; }
 
+using SpeedTuple = std::tuple<double, double, double, double>;  // cmlfq::BucketSpeed's fields, in order
+
+std::vector<cmlfq::BucketSpeed> as_speeds(const std::vector<SpeedTuple>& speeds) {
+  std::vector<cmlfq::BucketSpeed> out;
+  for (const auto& [step, per_sequence, move_linear, move_quadratic] : speeds) {
+    out.push_back({step, per_sequence, move_linear, move_quadratic});
+  }
+  return out;
+}
+
 }  // namespace
 
 void bind_cmlfq(py::module_& m) {
@@ -39,21 +49,25 @@ void bind_cmlfq(py::module_& m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<Scheduler>(m, "CmlfqScheduler", "The C-MLFQ core; arguments are validated by CmlfqConfig.")
       .def(py::init([](std::vector<int64_t> thresholds, uint32_t max_queue_length, uint32_t p90_window,
-                       uint32_t rebuild_window, uint32_t rebuild_interval, bool demote, double kv_full_fraction) {
+                       uint32_t rebuild_window, uint32_t rebuild_interval, bool demote, double kv_full_fraction,
+                       const std::vector<SpeedTuple>& speeds, double draining_fraction) {
              return std::make_unique<Scheduler>(cmlfq::Config{std::move(thresholds), max_queue_length,
                                                               kv_full_fraction, p90_window, rebuild_window,
-                                                              rebuild_interval, demote});
+                                                              rebuild_interval, demote, as_speeds(speeds),
+                                                              draining_fraction});
            }),
            py::arg("bucket_thresholds"), py::arg("max_queue_length"), py::arg("p90_window"),
            py::arg("rebuild_window"), py::arg("rebuild_interval"), py::arg("demote") = false,
-           py::arg("kv_full_fraction") = 0.85)
+           py::arg("kv_full_fraction") = 0.85, py::arg("bucket_speeds") = std::vector<SpeedTuple>{},
+           py::arg("draining_fraction") = 0.25,
+           "bucket_speeds: empty, or (step_s, per_sequence_s, move_linear_s, move_quadratic_s) per bucket.")
       .def("admit", [](Scheduler& s, const std::string& t, const std::string& prompt) { return as_tuple(s.admit(t, prompt)); },
            release_gil())
       .def("on_tool_return",
-           [](Scheduler& s, const std::string& t, uint64_t state, int64_t generated) {
-             return as_tuple(s.on_tool_return(t, state, generated));
+           [](Scheduler& s, const std::string& t, uint64_t state, int64_t generated, int64_t context) {
+             return as_tuple(s.on_tool_return(t, state, generated, context));
            },
-           release_gil())
+           release_gil(), py::arg("trajectory"), py::arg("state"), py::arg("generated"), py::arg("context") = 0)
       .def("on_finish", &Scheduler::on_finish, release_gil())
       .def("on_abort", &Scheduler::on_abort, release_gil())
       .def("reroute", [](Scheduler& s, const std::string& t) { return as_tuple(s.reroute(t)); }, release_gil())
@@ -62,14 +76,16 @@ void bind_cmlfq(py::module_& m) {
       .def("remove_instance", &Scheduler::remove_instance, release_gil())
       .def("update_buckets",
            [](Scheduler& s, std::vector<int64_t> thresholds,
-              const std::vector<std::pair<cmlfq::InstanceId, uint32_t>>& instance_buckets) {
+              const std::vector<std::pair<cmlfq::InstanceId, uint32_t>>& instance_buckets,
+              const std::vector<SpeedTuple>& speeds) {
              std::vector<std::pair<std::string, DecisionTuple>> moved;
-             for (const auto& [id, d] : s.update_buckets(std::move(thresholds), instance_buckets)) {
+             for (const auto& [id, d] : s.update_buckets(std::move(thresholds), instance_buckets, as_speeds(speeds))) {
                moved.emplace_back(id, as_tuple(d));
              }
              return moved;
            },
            release_gil(), py::arg("thresholds"), py::arg("instance_buckets"),
+           py::arg("bucket_speeds") = std::vector<SpeedTuple>{},
            "(trajectory id, (bucket, instance, reason, migrated)) of each trajectory moved, ascending id.")
       .def("thresholds", &Scheduler::thresholds, release_gil())
       .def("set_instance_ready", &Scheduler::set_instance_ready, release_gil())

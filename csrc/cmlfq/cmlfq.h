@@ -32,8 +32,10 @@ enum class Reason : uint8_t {
   kRerouted,                 // placed again on request (after its instance was lost)
   kDemotionHeld,             // both agree on a smaller bucket, but demotion is off: stay
   kTargetFullStay,           // the bucket it should move to has no room: it stays on its instance
+  kMoveNotWorthIt,           // both agree on a larger bucket, but the move costs more than it saves
+  kMigrateFaster,            // a larger bucket with room decodes its remaining work sooner, move included
 };
-constexpr int kNumReasons = 12;
+constexpr int kNumReasons = 14;
 const char* reason_name(Reason reason);
 
 struct Decision {
@@ -41,6 +43,23 @@ struct Decision {
   InstanceId instance;  // kNoInstance when reason is kNoInstance
   Reason reason;
   bool migrated;  // the next turn runs on another instance than the previous one
+};
+
+// How fast one instance of a bucket runs, priced by the planner's cost model, so that a promotion
+// is made only when it pays: a decode step with n live trajectories takes
+// step_s + per_sequence_s * n, and moving a context of c tokens there costs
+// move_linear_s * c + move_quadratic_s * c^2 (its re-prefill; less where the KV is transferred).
+struct BucketSpeed {
+  double step_s;
+  double per_sequence_s;
+  double move_linear_s;
+  double move_quadratic_s;
+
+  double step_with(uint32_t live) const { return step_s + per_sequence_s * live; }
+  double move_s(int64_t context) const {
+    const auto c = static_cast<double>(context);
+    return move_linear_s * c + move_quadratic_s * c * c;
+  }
 };
 
 struct Config {
@@ -52,6 +71,11 @@ struct Config {
   uint32_t rebuild_window;                 // completed trajectories kept to rebuild the trees from
   uint32_t rebuild_interval;               // completions between automatic rebuilds; 0 = manual only
   bool demote = false;                     // true: also move to smaller buckets (the original's rule)
+  // Empty, or one per bucket: then a promotion must save more decode time than its move costs,
+  // and while the pool drains a trajectory may move to a faster bucket outside its band.
+  std::vector<BucketSpeed> bucket_speeds;
+  // The pool drains while its ready instances' live trajectories are at most this share of their caps.
+  double draining_fraction = 0.25;
 };
 
 // An id the core does not know (a finished trajectory, a removed instance). Python sees KeyError.

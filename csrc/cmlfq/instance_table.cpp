@@ -79,6 +79,16 @@ bool InstanceTable::room(const InstanceLoad& load) const {
          (load.kv_capacity == 0 || load.kv_used < load.kv_full_at);
 }
 
+bool InstanceTable::draining(double fraction) const {
+  uint64_t active = 0, cap = 0;
+  for (const InstanceLoad& load : instances_) {
+    if (!load.ready) continue;
+    active += load.active;
+    cap += uint64_t{max_queue_length_} * load.weight;
+  }
+  return cap > 0 && static_cast<double>(active) <= fraction * static_cast<double>(cap);
+}
+
 bool InstanceTable::has_room(uint32_t bucket) const {
   return bucket < by_bucket_.size() && least_loaded(by_bucket_[bucket], kNoInstance, true) != kNone;
 }

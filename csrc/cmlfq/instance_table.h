@@ -46,6 +46,10 @@ class InstanceTable {
   // reported its KV, less than kv_full_fraction of it in use.
   bool has_room(uint32_t bucket) const;
   uint32_t bucket_of(InstanceId id) const { return at(id).bucket; }
+  uint32_t active_of(InstanceId id) const { return at(id).active; }
+  // The ready instances' live trajectories are at most `fraction` of their caps (compared in
+  // doubles, as the Python reference does).
+  bool draining(double fraction) const;
   // A new bucket count, and the new bucket of every instance (each named exactly once). Throws
   // std::invalid_argument, changing nothing, when the mapping is not exactly that.
   void rebucket(uint32_t num_buckets, const std::vector<std::pair<InstanceId, uint32_t>>& buckets);

@@ -17,7 +17,13 @@
 // fallbacks), as are admissions and trajectories whose instance is gone. An instance is full at
 // its cap of live trajectories or, where its engine reports its KV, once that KV is nearly all in
 // use: on long contexts the small instances' KV fills (and their queues grow) well before their
-// trajectory count reaches the cap.
+// trajectory count reaches the cap. Where the buckets' speeds are known, a move must also pay:
+// the predicted remaining tokens, decoded at the target's step with its load plus this trajectory
+// instead of at the current instance's step, must save more time than re-prefilling (or
+// transferring) the context on the target costs it and the trajectories the prefill holds up
+// there; a move that does not pay is not made. While the pool drains (its live trajectories at
+// most `draining_fraction` of the caps: a synchronous step's tail, the end of a run), a
+// trajectory also moves to a larger bucket with room whenever that pays, whatever its band.
 #include "cmlfq/scheduler.h"
 
 #include <algorithm>
@@ -36,6 +42,7 @@ int32_t clamp_tokens(int64_t tokens) {
 Scheduler::Scheduler(Config config)
     : config_(std::move(config)),
       thresholds_(config_.bucket_thresholds),
+      speeds_(config_.bucket_speeds),
       model_(config_.p90_window, config_.rebuild_window),
       instances_(static_cast<uint32_t>(config_.bucket_thresholds.size()), config_.max_queue_length,
                  config_.kv_full_fraction) {}
@@ -58,21 +65,60 @@ Decision Scheduler::admit(const TrajectoryId& id, const std::string& prompt) {
   return move_to(trajectory, 0, Reason::kAdmitted);
 }
 
-Decision Scheduler::on_tool_return(const TrajectoryId& id, StateKey state, int64_t generated_tokens) {
+Decision Scheduler::on_tool_return(const TrajectoryId& id, StateKey state, int64_t generated_tokens,
+                                   int64_t context_tokens) {
   std::lock_guard lock(mutex_);
   Trajectory& trajectory = find(id);
   trajectory.path.push_back(state);
   trajectory.generated_at_state.push_back(clamp_tokens(generated_tokens));
+  trajectory.context = std::max<int64_t>(context_tokens, 0);
   const BucketChoice choice = choose_bucket(trajectory);
-  if (instances_.is_ready(trajectory.instance)) {
-    if (choice.bucket == trajectory.bucket) return {trajectory.bucket, trajectory.instance, choice.reason, false};
-    // A move pays only on the bucket it is for: falling back elsewhere would re-prefill (or
-    // transfer) the context for nothing, so a trajectory whose target is full stays.
-    if (!instances_.has_room(choice.bucket)) {
-      return {trajectory.bucket, trajectory.instance, Reason::kTargetFullStay, false};
+  if (!instances_.is_ready(trajectory.instance)) return move_to(trajectory, choice.bucket, choice.reason);
+  if (choice.bucket == trajectory.bucket) {
+    if (choice.reason != Reason::kNoHistory) {
+      if (const auto faster = faster_bucket(trajectory, choice.mean_remaining)) {
+        return move_to(trajectory, *faster, Reason::kMigrateFaster);
+      }
     }
+    return {trajectory.bucket, trajectory.instance, choice.reason, false};
+  }
+  return decide_move(trajectory, choice);
+}
+
+Decision Scheduler::decide_move(Trajectory& trajectory, const BucketChoice& choice) {
+  // A move pays only on the bucket it is for: falling back elsewhere would re-prefill (or
+  // transfer) the context for nothing, so a trajectory whose target is full stays.
+  if (!instances_.has_room(choice.bucket)) {
+    return {trajectory.bucket, trajectory.instance, Reason::kTargetFullStay, false};
+  }
+  if (!speeds_.empty() && move_gain(trajectory, choice.bucket, choice.mean_remaining) <= 0) {
+    return {trajectory.bucket, trajectory.instance, Reason::kMoveNotWorthIt, false};
   }
   return move_to(trajectory, choice.bucket, choice.reason);
+}
+
+double Scheduler::move_gain(const Trajectory& trajectory, uint32_t bucket, double mean_remaining) const {
+  const InstanceId target = instances_.place(bucket, trajectory.instance).instance;
+  // The current instance's load counts this trajectory; the target's gains it.
+  const double saving = mean_remaining * (speeds_[trajectory.bucket].step_with(instances_.active_of(trajectory.instance)) -
+                                          speeds_[bucket].step_with(instances_.active_of(target) + 1));
+  // A re-prefill holds up every trajectory decoding on the target: the move costs its time once
+  // for each of them and once for this one.
+  return saving - speeds_[bucket].move_s(trajectory.context) * (1.0 + instances_.active_of(target));
+}
+
+std::optional<uint32_t> Scheduler::faster_bucket(const Trajectory& trajectory, double mean_remaining) const {
+  if (speeds_.empty() || !instances_.draining(config_.draining_fraction)) return std::nullopt;
+  std::optional<uint32_t> best;
+  double best_gain = 0;
+  for (uint32_t b = trajectory.bucket + 1; b < thresholds_.size(); ++b) {
+    if (!instances_.has_room(b)) continue;
+    if (const double gain = move_gain(trajectory, b, mean_remaining); gain > best_gain) {
+      best = b;
+      best_gain = gain;
+    }
+  }
+  return best;
 }
 
 std::optional<Prediction> Scheduler::predict_from(const PrefixTree& prompt_tree, const PrefixTree& global_tree,
@@ -97,11 +143,12 @@ Scheduler::BucketChoice Scheduler::choose_bucket(Trajectory& trajectory) {
       predict_from(trajectory.prompt->second.tree, model_.global_tree(), trajectory.path,
                    trajectory.prompt_match, trajectory.global_match);
   if (!prediction) return {Reason::kNoHistory, trajectory.bucket};
+  const double mean = static_cast<double>(prediction->stats.sum) / static_cast<double>(prediction->stats.count);
   const uint32_t by_mean = bucket_for_mean(prediction->stats);
-  if (by_mean != bucket_for_tokens(prediction->stats.p90)) return {Reason::kMeanP90Disagree, trajectory.bucket};
-  if (by_mean == trajectory.bucket) return {Reason::kStaySameBucket, by_mean};
-  if (by_mean < trajectory.bucket && !config_.demote) return {Reason::kDemotionHeld, trajectory.bucket};
-  return {by_mean > trajectory.bucket ? Reason::kMigrateUp : Reason::kMigrateDown, by_mean};
+  if (by_mean != bucket_for_tokens(prediction->stats.p90)) return {Reason::kMeanP90Disagree, trajectory.bucket, mean};
+  if (by_mean == trajectory.bucket) return {Reason::kStaySameBucket, by_mean, mean};
+  if (by_mean < trajectory.bucket && !config_.demote) return {Reason::kDemotionHeld, trajectory.bucket, mean};
+  return {by_mean > trajectory.bucket ? Reason::kMigrateUp : Reason::kMigrateDown, by_mean, mean};
 }
 
 uint32_t Scheduler::bucket_for_tokens(int64_t tokens) const {
@@ -176,11 +223,16 @@ void Scheduler::add_instance(InstanceId instance, uint32_t bucket, bool ready, u
 // Re-planning is rare, so every live trajectory is visited; sorting the ids makes the placements
 // (which depend on the loads the earlier moves left) independent of the hash map's order.
 std::vector<std::pair<TrajectoryId, Decision>> Scheduler::update_buckets(
-    std::vector<int64_t> thresholds, const std::vector<std::pair<InstanceId, uint32_t>>& instance_buckets) {
+    std::vector<int64_t> thresholds, const std::vector<std::pair<InstanceId, uint32_t>>& instance_buckets,
+    std::vector<BucketSpeed> speeds) {
   std::lock_guard lock(mutex_);
   if (thresholds.empty()) throw std::invalid_argument("update_buckets needs at least one threshold");
+  if (!speeds.empty() && speeds.size() != thresholds.size()) {
+    throw std::invalid_argument("update_buckets needs no bucket speeds or one per threshold");
+  }
   instances_.rebucket(static_cast<uint32_t>(thresholds.size()), instance_buckets);
   thresholds_ = std::move(thresholds);
+  speeds_ = std::move(speeds);
   const auto last = static_cast<uint32_t>(thresholds_.size() - 1);
   std::vector<TrajectoryId> ids;
   ids.reserve(live_.size());
@@ -198,9 +250,15 @@ std::vector<std::pair<TrajectoryId, Decision>> Scheduler::update_buckets(
       trajectory.bucket = choice.bucket;  // placed there when rerouted
       continue;
     }
-    // As at a tool return: a full target would only pay the move for a fallback placement.
-    if (instances_.is_ready(trajectory.instance) && !instances_.has_room(choice.bucket)) continue;
-    moved.emplace_back(id, move_to(trajectory, choice.bucket, choice.reason));
+    // As at a tool return: it stays while its instance is ready and the target is full or the
+    // move does not pay.
+    if (!instances_.is_ready(trajectory.instance)) {
+      moved.emplace_back(id, move_to(trajectory, choice.bucket, choice.reason));
+      continue;
+    }
+    const InstanceId before = trajectory.instance;
+    const Decision decision = decide_move(trajectory, choice);
+    if (decision.instance != before) moved.emplace_back(id, decision);
   }
   return moved;
 }
@@ -279,6 +337,7 @@ const char* reason_name(Reason reason) {
       "stay_same_bucket", "migrate_up",           "migrate_down",
       "bucket_saturated_fallback", "any_instance_fallback", "no_instance",
       "rerouted",         "demotion_held",        "target_full_stay",
+      "move_not_worth_it", "migrate_faster",
   };
   return kNames[static_cast<int>(reason)];
 }

@@ -31,7 +31,9 @@ class Scheduler {
 
   Decision admit(const TrajectoryId& trajectory, const std::string& prompt);
   // generated_tokens: output tokens the policy has generated so far (tool tokens excluded).
-  Decision on_tool_return(const TrajectoryId& trajectory, StateKey state, int64_t generated_tokens);
+  // context_tokens: the tokens a move would re-prefill (prompt, turns and tool returns so far).
+  Decision on_tool_return(const TrajectoryId& trajectory, StateKey state, int64_t generated_tokens,
+                          int64_t context_tokens = 0);
   void on_finish(const TrajectoryId& trajectory, int64_t total_output_tokens);
   void on_abort(const TrajectoryId& trajectory);
   Decision reroute(const TrajectoryId& trajectory);
@@ -42,10 +44,12 @@ class Scheduler {
   // once; nothing changes if it does not). Every live trajectory is then decided again under the
   // new thresholds, in ascending id order: its bucket is where its instance now is (unplaced: its
   // old bucket, clamped), unless its causal path's mean and P90 agree on another bucket, in which
-  // case it is moved there now (its next turn runs on the new instance). Returns the decisions of
-  // the trajectories that moved, ascending id.
+  // case it is moved there now (its next turn runs on the new instance). `speeds` replace the
+  // buckets' speeds (empty, or one per threshold). Returns the decisions of the trajectories that
+  // moved, ascending id.
   std::vector<std::pair<TrajectoryId, Decision>> update_buckets(
-      std::vector<int64_t> thresholds, const std::vector<std::pair<InstanceId, uint32_t>>& instance_buckets);
+      std::vector<int64_t> thresholds, const std::vector<std::pair<InstanceId, uint32_t>>& instance_buckets,
+      std::vector<BucketSpeed> speeds = {});
   std::vector<int64_t> thresholds() const;
   // Returns the trajectories that ran there, ascending; they stay live, unplaced, until rerouted.
   std::vector<TrajectoryId> remove_instance(InstanceId instance);
@@ -73,6 +77,7 @@ class Scheduler {
     InstanceId instance = kNoInstance;
     std::vector<StateKey> path;
     std::vector<int32_t> generated_at_state;  // output tokens generated when each state arrived
+    int64_t context = 0;                      // tokens a move re-prefills, as of its last tool return
     uint64_t generation = 0;                  // of the causal model the matches belong to
     Match prompt_match;
     Match global_match;
@@ -80,6 +85,7 @@ class Scheduler {
   struct BucketChoice {
     Reason reason;
     uint32_t bucket;
+    double mean_remaining = 0;  // the prediction's, where there is one
   };
 
   // The prompt's own tree once that prompt has history, else the global tree (the fallback for
@@ -91,11 +97,21 @@ class Scheduler {
   BucketChoice choose_bucket(Trajectory& trajectory);
   uint32_t bucket_for_tokens(int64_t tokens) const;
   uint32_t bucket_for_mean(const NodeStats& stats) const;
+  // By the speeds: the decode time a move of a placed trajectory to `bucket` (which has room)
+  // saves on its predicted remaining tokens, less what the move costs it and the trajectories
+  // its re-prefill holds up on the target. Positive: it pays.
+  double move_gain(const Trajectory& trajectory, uint32_t bucket, double mean_remaining) const;
+  // While the pool drains, the larger bucket with room where a move gains the most, if any.
+  std::optional<uint32_t> faster_bucket(const Trajectory& trajectory, double mean_remaining) const;
+  // A placed trajectory's decision when its choice is another bucket: stay if the target is full
+  // or the move does not pay, else move.
+  Decision decide_move(Trajectory& trajectory, const BucketChoice& choice);
   Decision move_to(Trajectory& trajectory, uint32_t bucket, Reason reason);
   void release(const TrajectoryId& id, Trajectory& trajectory);
 
   const Config config_;
   std::vector<int64_t> thresholds_;  // config_'s until update_buckets replaces them
+  std::vector<BucketSpeed> speeds_;  // likewise
   mutable std::mutex mutex_;
   CausalModel model_;
   InstanceTable instances_;

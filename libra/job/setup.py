@@ -62,11 +62,12 @@ class JobWorkers:
         self.train_ranks = TrainRankGroup(
             self.config, self.fleet, self.source.model_dir, self.hosts_hybrid_lane
         )
+        price = self._bucket_pricing()
+        scheduler = self.config.scheduler
+        if price is not None:
+            scheduler = dataclasses.replace(scheduler, buckets=price(scheduler.buckets))
         pool = InstancePool(
-            make_router(self.job.router, self.config.scheduler),
-            self.cluster.token,
-            self.config.scheduler,
-            self.config.control,
+            make_router(self.job.router, scheduler), self.cluster.token, scheduler, self.config.control, price
         )
         self.instances = RolloutInstances(
             self.config, self.cluster, self.fleet, self.publication, recorder, self.source.model_dir, pool
@@ -143,6 +144,14 @@ class JobWorkers:
         from libra.job.problem import planning_problem
 
         return planning_problem(self.config, self.source.model_dir)
+
+    def _bucket_pricing(self):
+        """The planner's `priced_buckets` when C-MLFQ prices its moves (`job.price_moves`, with
+        the planner on and the `cmlfq` router), else None."""
+        planner = self.cluster.planner
+        if not self.job.price_moves or planner is None or self.job.router != "cmlfq":
+            return None
+        return planner.priced_buckets
 
     def _plan_launch_layout(self) -> None:
         """`job.rollout_tp_sizes` empty: the planner's choice of rollout instances becomes the

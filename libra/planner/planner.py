@@ -38,6 +38,8 @@ from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.diff import Action, RestartTraining, diff_plans
 from libra.planner.evaluate import evaluate_plan
 from libra.planner.plan import Plan
+from libra.planner.rollout_cost import RolloutCostModel
+from libra.planner.routing_speeds import with_speeds
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS, candidate_plans, search
 from libra.planner.triggers import (
     ApplyDecision,
@@ -47,6 +49,7 @@ from libra.planner.triggers import (
     TriggerReason,
     decide_apply,
 )
+from libra.scheduler.config import BucketConfig
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,15 @@ class Planner:
         with self._lock:
             kept = tuple(history)[-self.policy.max_history :]
             self._problem = dataclasses.replace(self._problem, history=kept)
+
+    def priced_buckets(self, buckets: Sequence[BucketConfig]) -> tuple[BucketConfig, ...]:
+        """`buckets` with their instances' speeds (`libra.planner.routing_speeds`) by the
+        calibrated rollout model on the current history, so that C-MLFQ promotes a trajectory only
+        where the move pays."""
+        with self._lock:
+            problem, (_, rollout) = self._problem, self._calibrated()
+        cost = RolloutCostModel(problem.cluster, problem.model, problem.config, rollout)
+        return with_speeds(buckets, cost, problem.history)
 
     def record_reconfiguration(self, seconds: float, restart: bool = False) -> None:
         """The measured time an applied plan took (`restart`: it restarted training); the apply

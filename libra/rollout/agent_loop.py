@@ -227,9 +227,11 @@ class AgentLoop:
                 return instance_id, FinishReason.LENGTH
 
     def on_tool_return(self, trajectory: Trajectory, state: ToolReturnState) -> int | None:
-        """Tells the router that `trajectory`'s tool call returned; the instance of its next turn."""
+        """Tells the router that `trajectory`'s tool call returned (its return appended); the
+        instance of its next turn."""
+        context = len(trajectory.prompt_token_ids) + len(trajectory.response_token_ids)
         decision = self.router.on_tool_return(
-            trajectory.trajectory_id, state, trajectory.num_generated_tokens
+            trajectory.trajectory_id, state, trajectory.num_generated_tokens, context
         )
         self.num_migrations += decision.migrated
         return decision.instance_id

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -64,10 +64,19 @@ class PooledInstance:
 
 
 class InstancePool:
-    def __init__(self, router: Router, token: str, cmlfq: CmlfqConfig, control: ControlConfig | None = None):
+    def __init__(
+        self,
+        router: Router,
+        token: str,
+        cmlfq: CmlfqConfig,
+        control: ControlConfig | None = None,
+        price_buckets: Callable[[Sequence[BucketConfig]], tuple[BucketConfig, ...]] | None = None,
+    ):
         self.router = router
         self._token = token
         self._cmlfq = cmlfq
+        self._price_buckets = price_buckets
+        """Gives new buckets their speeds (the planner's model), or None: they keep what they have."""
         self._control = control
         self._instances: dict[int, PooledInstance] = {}
         self._removed: dict[int, PooledInstance] = {}
@@ -227,6 +236,8 @@ class InstancePool:
         """A plan's new buckets: each instance in service goes to the bucket of its TP size,
         the router decides its trajectories again. ValueError (changing nothing) if the buckets
         are invalid or an instance's TP size has no bucket."""
+        if self._price_buckets is not None:
+            buckets = self._price_buckets(buckets)
         cmlfq = dataclasses.replace(self._cmlfq, buckets=tuple(buckets))
         # Failed instances never serve again; cut ones may be restored, so they move too.
         tp_of = {

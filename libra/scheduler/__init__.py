@@ -10,13 +10,14 @@ workload to compare them. Depends only on `libra.trajectory` for the shared `Too
 
 from libra.scheduler.baselines import LeastLoadRouter, LengthMlfqRouter, OracleRouter, RoundRobinRouter
 from libra.scheduler.cmlfq import CmlfqRouter, Prediction
-from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.config import BucketConfig, BucketSpeed, CmlfqConfig
 from libra.scheduler.factory import RouterKind, make_router
 from libra.scheduler.interface import Decision, Reason, Router
 from libra.scheduler.tool_state import SizeClass, ToolReturnState, infer_status
 
 __all__ = [
     "BucketConfig",
+    "BucketSpeed",
     "CmlfqConfig",
     "CmlfqRouter",
     "Decision",

@@ -86,7 +86,9 @@ class _BaselineRouter:
         self._live[trajectory_id] = _Live(bucket=0)
         return self._move(trajectory_id, self._admission_bucket(trajectory_id), Reason.ADMITTED)
 
-    def on_tool_return(self, trajectory_id: str, state: ToolReturnState, generated_tokens: int) -> Decision:
+    def on_tool_return(
+        self, trajectory_id: str, state: ToolReturnState, generated_tokens: int, context_tokens: int = 0
+    ) -> Decision:
         live = self._live[trajectory_id]
         bucket, reason = self._bucket_after_tool(trajectory_id, live.bucket, generated_tokens)
         if bucket == live.bucket and live.instance is not None and self._instances[live.instance].ready:

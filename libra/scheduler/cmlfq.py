@@ -62,16 +62,22 @@ class CmlfqRouter:
             rebuild_interval=self.config.rebuild_interval,
             demote=self.config.demote,
             kv_full_fraction=self.config.kv_full_fraction,
+            bucket_speeds=self.config.speeds,
+            draining_fraction=self.config.draining_fraction,
         )
 
     def admit(self, trajectory_id: str, prompt_id: str) -> Decision:
         return _decision(trajectory_id, self._core.admit(trajectory_id, prompt_id))
 
-    def on_tool_return(self, trajectory_id: str, state: ToolReturnState, generated_tokens: int) -> Decision:
+    def on_tool_return(
+        self, trajectory_id: str, state: ToolReturnState, generated_tokens: int, context_tokens: int = 0
+    ) -> Decision:
         if not 0 <= generated_tokens <= _MAX_TOKENS:
             raise ValueError(f"generated_tokens must be in 0..{_MAX_TOKENS}, got {generated_tokens}")
+        if not 0 <= context_tokens <= _MAX_TOKENS:
+            raise ValueError(f"context_tokens must be in 0..{_MAX_TOKENS}, got {context_tokens}")
         bucket, instance, reason, migrated = self._core.on_tool_return(
-            trajectory_id, state.key, generated_tokens
+            trajectory_id, state.key, generated_tokens, context_tokens
         )
         return Decision(trajectory_id, bucket, None if instance < 0 else instance, _REASONS[reason], migrated)
 
@@ -117,7 +123,7 @@ class CmlfqRouter:
         check_instance_buckets(
             instance_buckets, [load.instance_id for load in self.instance_loads()], len(config.buckets)
         )
-        moved = self._core.update_buckets(config.thresholds, sorted(instance_buckets.items()))
+        moved = self._core.update_buckets(config.thresholds, sorted(instance_buckets.items()), config.speeds)
         self.config = config
         return [_decision(trajectory_id, decision) for trajectory_id, decision in moved]
 

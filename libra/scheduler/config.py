@@ -8,8 +8,32 @@ most 3 trajectories per instance before its bucket counts as saturated.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import pairwise
+
+
+@dataclass(frozen=True)
+class BucketSpeed:
+    """How fast one instance of a bucket runs, from the planner's cost model
+    (`libra.planner.routing_speeds`): a decode step with n live trajectories on it takes
+    `step_s + per_sequence_s * n`, and moving a trajectory whose context holds c tokens there
+    costs `move_linear_s * c + move_quadratic_s * c**2` (its re-prefill; less, or nothing, where
+    the KV is transferred during the tool call)."""
+
+    step_s: float
+    per_sequence_s: float
+    move_linear_s: float = 0.0
+    move_quadratic_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "per_sequence_s", "move_linear_s", "move_quadratic_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"BucketSpeed.{name} must be a finite number >= 0, got {value!r}")
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.step_s, self.per_sequence_s, self.move_linear_s, self.move_quadratic_s)
 
 
 @dataclass(frozen=True)
@@ -22,6 +46,10 @@ class BucketConfig:
     max_remaining_tokens: int
     """Threshold: trajectories predicted to have at most this many output tokens left belong here
     (or in a smaller bucket). The last bucket also takes everything above its threshold."""
+    speed: BucketSpeed | None = None
+    """Its instances' speed. When every bucket has one, a trajectory moves to a larger bucket only
+    if the move pays: its predicted remaining tokens, decoded at the target's step with the
+    target's load, must save more time than the move costs (`Reason.MOVE_NOT_WORTH_IT`)."""
 
 
 def _default_buckets() -> tuple[BucketConfig, ...]:
@@ -72,6 +100,14 @@ class CmlfqConfig:
     instance to save a little decoding; on the paper-scale R2E pools it crowded the small
     instances' KV and cost 15 % of trained tokens/s against least-load (`docs/scheduling.md`).
     Off, the trajectory stays (`Reason.DEMOTION_HELD`)."""
+    draining_fraction: float = 0.25
+    """With the buckets' speeds known (`BucketConfig.speed`): while the ready instances' live
+    trajectories are at most this share of their caps, the pool is draining -- a synchronous step
+    waiting for its tail, the end of a run -- and a trajectory moves to a larger bucket with room
+    whenever that decodes its predicted remaining tokens sooner, the move included
+    (`Reason.MIGRATE_FASTER`), whatever its band. Above it, the larger instances' room belongs to
+    the trajectories of their band: moving others there cost 2-7 % of trained tokens/s in the
+    asynchronous paper-scale runs. In [0, 1]; 0 moves nobody outside its band."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", tuple(self.buckets))
@@ -87,6 +123,12 @@ class CmlfqConfig:
                     f"cmlfq.buckets[{b.name!r}].max_remaining_tokens must be in 1..{_MAX_TOKENS}, "
                     f"got {b.max_remaining_tokens}"
                 )
+        with_speed = [b.name for b in self.buckets if b.speed is not None]
+        if with_speed and len(with_speed) != len(self.buckets):
+            raise ValueError(
+                f"cmlfq.buckets: either every bucket has a speed or none does, got speeds for {with_speed} "
+                f"of {[b.name for b in self.buckets]}"
+            )
         thresholds = [b.max_remaining_tokens for b in self.buckets]
         if any(lo >= hi for lo, hi in pairwise(thresholds)):
             raise ValueError(f"cmlfq.buckets max_remaining_tokens must strictly increase, got {thresholds}")
@@ -102,6 +144,8 @@ class CmlfqConfig:
         for name in ("p90_window", "rebuild_window", "max_queue_length"):
             if not 1 <= getattr(self, name) <= _MAX_TOKENS:
                 raise ValueError(f"cmlfq.{name} must be in 1..{_MAX_TOKENS}, got {getattr(self, name)}")
+        if not 0 <= self.draining_fraction <= 1:
+            raise ValueError(f"cmlfq.draining_fraction must be in [0, 1], got {self.draining_fraction}")
         if not 0 < self.kv_full_fraction <= 1:
             raise ValueError(f"cmlfq.kv_full_fraction must be in (0, 1], got {self.kv_full_fraction}")
         if not 0 <= self.rebuild_interval <= _MAX_TOKENS:
@@ -112,3 +156,8 @@ class CmlfqConfig:
     @property
     def thresholds(self) -> list[int]:
         return [b.max_remaining_tokens for b in self.buckets]
+
+    @property
+    def speeds(self) -> list[tuple[float, float, float, float]]:
+        """Each bucket's speed as the core takes it; empty when the buckets have none."""
+        return [b.speed.as_tuple() for b in self.buckets if b.speed is not None]

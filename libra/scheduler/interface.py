@@ -4,7 +4,7 @@ The agent loop calls a router from its asyncio loop, once per event of a traject
 
     decision = router.admit(trajectory_id, prompt_id)          # before the first turn
     ...generate on decision.instance_id until a tool call...
-    decision = router.on_tool_return(trajectory_id, state, generated_tokens)   # after each tool
+    decision = router.on_tool_return(trajectory_id, state, generated_tokens, context_tokens)  # after a tool
     ...next turn on decision.instance_id (re-prefill there when decision.migrated)...
     router.on_finish(trajectory_id, total_output_tokens)       # learn from it, free its slot
 
@@ -54,6 +54,14 @@ class Reason(enum.IntEnum):
     TARGET_FULL_STAY = 11
     """Mean and P90 agree on another bucket, which has no room: stay on the current instance
     (a fallback placement would pay the move and gain nothing)."""
+    MOVE_NOT_WORTH_IT = 12
+    """Mean and P90 agree on a larger bucket, but by the buckets' speeds (`BucketConfig.speed`)
+    the decoding the move would save on the loaded target is less than re-prefilling (or
+    transferring) the context there costs: stay."""
+    MIGRATE_FASTER = 13
+    """By the buckets' speeds, a larger bucket with room decodes the predicted remaining tokens
+    sooner than the current instance, the move included (e.g. the large instances idle while a
+    synchronous step waits for its tail): moved there."""
 
 
 @dataclass(slots=True)
@@ -81,9 +89,13 @@ class Router(Protocol):
         """A new trajectory of `prompt_id`, before its first turn."""
         ...
 
-    def on_tool_return(self, trajectory_id: str, state: ToolReturnState, generated_tokens: int) -> Decision:
+    def on_tool_return(
+        self, trajectory_id: str, state: ToolReturnState, generated_tokens: int, context_tokens: int = 0
+    ) -> Decision:
         """After each tool call: `state` is the tool's return, `generated_tokens` the output tokens
-        the trajectory has generated so far. Says where the next turn runs."""
+        the trajectory has generated so far, `context_tokens` its whole context now (prompt,
+        turns and tool returns: what a move to another instance re-prefills; 0 if unknown, which
+        prices a move as free). Says where the next turn runs."""
         ...
 
     def on_finish(self, trajectory_id: str, total_output_tokens: int) -> None:

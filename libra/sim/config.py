@@ -299,6 +299,10 @@ class SimConfig:
     """C-MLFQ also moves trajectories down to smaller buckets (`CmlfqConfig.demote`)."""
     cmlfq_kv_full_fraction: float = CmlfqConfig.kv_full_fraction
     """C-MLFQ counts an instance full from this share of its KV in use (`CmlfqConfig.kv_full_fraction`)."""
+    cmlfq_price_moves: bool = True
+    """C-MLFQ's buckets carry their instances' speed from the cost model
+    (`libra.planner.routing_speeds`), so a promotion is made only when it saves more decoding on
+    the loaded target than its move costs; false: every promotion to a bucket with room is made."""
     fixed_node_pattern: tuple[int, ...] = (1, 1, 2, 4)
     fixed_train_fraction: float = 2 / 3
     train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS

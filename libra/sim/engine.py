@@ -414,7 +414,8 @@ class RolloutCluster:
         state = ToolReturnState.of(turn.tool, turn.status, turn.payload_tokens, self.cmlfq_config)
         if traj.instance is None:  # displaced while the tool ran; the router places it again
             self.unplaced.discard(traj.key)
-        self._follow(traj, self.router.on_tool_return(traj.trajectory_id, state, traj.generated))
+        decision = self.router.on_tool_return(traj.trajectory_id, state, traj.generated, round(traj.context))
+        self._follow(traj, decision)
 
     # Accounting.
 

@@ -29,8 +29,10 @@ from libra.planner.config import RequestRecord, TriggerPolicy
 from libra.planner.diff import RestartTraining
 from libra.planner.planner import Planner, PlanRescorer
 from libra.planner.rollout_cost import RolloutCostModel
+from libra.planner.routing_speeds import with_speeds
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
 from libra.planner.triggers import StepObservation
+from libra.scheduler.config import BucketConfig
 from libra.scheduler.factory import make_router
 from libra.sim.config import Mode, PolicySpec, SimConfig
 from libra.sim.engine import LiveTrajectory, RolloutCluster, instance_weight
@@ -122,6 +124,8 @@ class PolicyRun:
             config.cmlfq_demote,
             config.cmlfq_kv_full_fraction,
         )
+        self.rollout_cost = rollout_cost
+        cmlfq_config = replace(cmlfq_config, buckets=self._priced(cmlfq_config.buckets))
         router = make_router(policy.router, cmlfq_config)
         self.cluster = RolloutCluster(
             router,
@@ -243,6 +247,13 @@ class PolicyRun:
             finished=self.finished,
             notes=self.notes,
         )
+
+    def _priced(self, buckets: tuple[BucketConfig, ...]) -> tuple[BucketConfig, ...]:
+        """The buckets with their speeds on the workload as it is (`sim.cmlfq_price_moves`)."""
+        if not self.config.cmlfq_price_moves:
+            return buckets
+        kv_transfer = self.config.costs.migration == "kv_move"
+        return with_speeds(buckets, self.rollout_cost, tuple(self.history), kv_transfer)
 
 
 class SyncRun(PolicyRun):
@@ -570,7 +581,7 @@ class AsyncRun(PolicyRun):
             return
         self.bucket_tps, self.thresholds = tps, thresholds
         mapping = {i: bucket_of(tps, inst.tp) for i, inst in self.cluster.instances.items()}
-        moved = self.cluster.update_buckets(bucket_configs(tps, thresholds), mapping)
+        moved = self.cluster.update_buckets(self._priced(bucket_configs(tps, thresholds)), mapping)
         self.bucket_moves += moved
         self.bucket_updates += 1
         self.notes.append(

@@ -30,7 +30,7 @@ class CountingRouter:
         self.admitted.append(trajectory_id)
         return SimpleNamespace(instance_id=0, migrated=False)
 
-    def on_tool_return(self, trajectory_id, state, generated_tokens):
+    def on_tool_return(self, trajectory_id, state, generated_tokens, context_tokens=0):
         return SimpleNamespace(instance_id=0, migrated=False)
 
     def on_finish(self, trajectory_id, total_output_tokens):

@@ -35,7 +35,7 @@ class PlannedRouter:
         self.turns[trajectory_id] = 0
         return self._decide(trajectory_id, Reason.ADMITTED)
 
-    def on_tool_return(self, trajectory_id, state, generated_tokens):
+    def on_tool_return(self, trajectory_id, state, generated_tokens, context_tokens=0):
         self.turns[trajectory_id] += 1
         return self._decide(trajectory_id, Reason.MIGRATE_UP)
 

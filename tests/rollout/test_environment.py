@@ -255,7 +255,7 @@ class RecordingRouter(PlannedRouter):
         self.admitted.append(trajectory_id)
         return super().admit(trajectory_id, prompt_id)
 
-    def on_tool_return(self, trajectory_id, state, generated_tokens):
+    def on_tool_return(self, trajectory_id, state, generated_tokens, context_tokens=0):
         self.tool_returns.append((trajectory_id, state, generated_tokens))
         return super().on_tool_return(trajectory_id, state, generated_tokens)
 

@@ -3,6 +3,8 @@ held to (`test_cmlfq_equivalence.py`) and the Python baseline of `benchmarks/cml
 
 Same rules as `csrc/cmlfq/scheduler.cpp`, computed the obvious way: every tool return walks the
 tree from the root, every P90 sorts its window, the mean is compared as sum <= threshold * count.
+Priced moves (`BucketConfig.speed`) use the same floating-point expressions as the core, in the
+same order, so both round alike.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Live:
     instance: int | None = None
     path: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
+    context: int = 0
 
 
 @dataclass
@@ -98,6 +101,7 @@ class ReferenceCmlfq:
     def __init__(self, config: CmlfqConfig) -> None:
         self.config = config
         self.thresholds = config.thresholds
+        self.speeds = config.speeds
         self.global_tree = Tree(config.p90_window)
         self.prompt_trees: dict[str, Tree] = {}
         self.history: deque[tuple[str, list[int], list[int]]] = deque(maxlen=config.rebuild_window)
@@ -154,16 +158,21 @@ class ReferenceCmlfq:
         self.live[trajectory_id] = Live(prompt_id)
         return self.move(trajectory_id, 0, Reason.ADMITTED)
 
-    def on_tool_return(self, trajectory_id: str, state: ToolReturnState, generated_tokens: int) -> Decision:
+    def on_tool_return(
+        self, trajectory_id: str, state: ToolReturnState, generated_tokens: int, context_tokens: int = 0
+    ) -> Decision:
         live = self.live[trajectory_id]
         live.path.append(state.key)
         live.generated.append(clamp(generated_tokens))
+        live.context = max(context_tokens, 0)
         prediction = self.predict(live.prompt, live.path)
         target = live.bucket
+        mean = 0.0
         if prediction is None:
             reason = Reason.NO_HISTORY
         else:
             _, _, count, total, p90 = prediction
+            mean = float(total) / float(count)
             by_mean, by_p90 = self.bucket_for_mean(count, total), self.bucket_for(p90)
             if by_mean != by_p90:
                 reason = Reason.MEAN_P90_DISAGREE
@@ -174,12 +183,55 @@ class ReferenceCmlfq:
             else:
                 target = by_mean
                 reason = Reason.MIGRATE_UP if by_mean > live.bucket else Reason.MIGRATE_DOWN
-        if live.instance is not None and self.instances[live.instance].ready:
-            if target == live.bucket:
-                return Decision(trajectory_id, live.bucket, live.instance, reason, False)
-            if not self.has_room(target):
-                return Decision(trajectory_id, live.bucket, live.instance, Reason.TARGET_FULL_STAY, False)
+        if live.instance is None or not self.instances[live.instance].ready:
+            return self.move(trajectory_id, target, reason)
+        if target == live.bucket:
+            faster = self.faster_bucket(live, mean) if prediction is not None else None
+            if faster is not None:
+                return self.move(trajectory_id, faster, Reason.MIGRATE_FASTER)
+            return Decision(trajectory_id, live.bucket, live.instance, reason, False)
+        return self.stay_or_move(trajectory_id, target, reason, mean)
+
+    def stay_or_move(self, trajectory_id: str, target: int, reason: Reason, mean: float) -> Decision:
+        live = self.live[trajectory_id]
+        if not self.has_room(target):
+            return Decision(trajectory_id, live.bucket, live.instance, Reason.TARGET_FULL_STAY, False)
+        if self.speeds and self.gain(live, target, mean) <= 0:
+            return Decision(trajectory_id, live.bucket, live.instance, Reason.MOVE_NOT_WORTH_IT, False)
         return self.move(trajectory_id, target, reason)
+
+    def step_with(self, bucket: int, live: int) -> float:
+        step, per_sequence, _, _ = self.speeds[bucket]
+        return step + per_sequence * float(live)
+
+    def gain(self, live: Live, target: int, mean: float) -> float:
+        """Seconds a move to `target` saves on the predicted remaining tokens, less its cost to it
+        and to the target's trajectories."""
+        _, destination, _ = self.place(target, live.instance)
+        saving = mean * (
+            self.step_with(live.bucket, self.instances[live.instance].active)
+            - self.step_with(target, self.instances[destination].active + 1)
+        )
+        _, _, linear, quadratic = self.speeds[target]
+        c = float(live.context)
+        # The re-prefill holds up the target's trajectories too.
+        return saving - (linear * c + quadratic * c * c) * (1.0 + float(self.instances[destination].active))
+
+    def faster_bucket(self, live: Live, mean: float) -> int | None:
+        """While the pool drains: the larger bucket with room where the move gains the most."""
+        if not self.speeds or not self.draining():
+            return None
+        best, best_gain = None, 0.0
+        for bucket in range(live.bucket + 1, len(self.thresholds)):
+            if self.has_room(bucket) and (gain := self.gain(live, bucket, mean)) > best_gain:
+                best, best_gain = bucket, gain
+        return best
+
+    def draining(self) -> bool:
+        ready = [i for i in self.instances.values() if i.ready]
+        active = sum(i.active for i in ready)
+        cap = sum(self.config.max_queue_length * i.weight for i in ready)
+        return cap > 0 and float(active) <= self.config.draining_fraction * float(cap)
 
     def room(self, instance: Instance) -> bool:
         """Under its trajectory cap and, if it reported its KV, under kv_full_fraction of it."""
@@ -236,6 +288,7 @@ class ReferenceCmlfq:
         instance's new bucket, or moves where its path's mean and P90 now agree."""
         assert sorted(instance_buckets) == sorted(self.instances)
         self.thresholds = [b.max_remaining_tokens for b in buckets]
+        self.speeds = [b.speed.as_tuple() for b in buckets if b.speed is not None]
         last = len(self.thresholds) - 1
         for instance_id, bucket in instance_buckets.items():
             self.instances[instance_id].bucket = bucket
@@ -256,10 +309,14 @@ class ReferenceCmlfq:
             if not placed:
                 live.bucket = target
                 continue
-            if self.instances[live.instance].ready and not self.has_room(target):
-                continue
             reason = Reason.MIGRATE_UP if target > live.bucket else Reason.MIGRATE_DOWN
-            moved.append(self.move(trajectory_id, target, reason))
+            if not self.instances[live.instance].ready:
+                moved.append(self.move(trajectory_id, target, reason))
+                continue
+            before = live.instance
+            decision = self.stay_or_move(trajectory_id, target, reason, float(total) / float(count))
+            if decision.instance_id != before:
+                moved.append(decision)
         return moved
 
     def move(self, trajectory_id: str, bucket: int, reason: Reason) -> Decision:

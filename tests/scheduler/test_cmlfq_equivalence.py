@@ -4,6 +4,8 @@ Each trace draws a small config (thresholds low enough that random token counts 
 windows so rebuilds and evictions happen) and a sequence of admissions, tool returns,
 completions, aborts, instance changes, KV reports and losses (with reroutes of the displaced)
 and rebuilds.
+Half the configs give the buckets speeds (`BucketConfig.speed`), so priced promotions and moves
+to a faster bucket while the pool drains are decided by both, on the contexts the trace reports.
 Every decision must match in bucket, instance, reason and migrated; predictions and loads too.
 """
 
@@ -14,7 +16,15 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libra.scheduler import BucketConfig, CmlfqConfig, CmlfqRouter, SizeClass, ToolReturnState
+from libra.scheduler import (
+    BucketConfig,
+    BucketSpeed,
+    CmlfqConfig,
+    CmlfqRouter,
+    Reason,
+    SizeClass,
+    ToolReturnState,
+)
 from libra.trajectory import ToolStatus
 from tests.scheduler.reference_cmlfq import ReferenceCmlfq
 
@@ -31,12 +41,26 @@ STATES = [
 PROMPTS = ["p0", "p1", "p2"]
 
 
+def speed(rng: random.Random) -> BucketSpeed:
+    """Steps of 5-50 ms plus up to 5 ms per live trajectory, and moves of up to 20 us per context
+    token (plus a quadratic term): on the traces' few hundred tokens left and contexts of a few
+    thousand, some moves pay and some do not."""
+    return BucketSpeed(
+        rng.uniform(0.005, 0.05), rng.uniform(0.0, 0.005), rng.uniform(0.0, 2e-5), rng.uniform(0.0, 1e-9)
+    )
+
+
 @st.composite
 def configs(draw: st.DrawFn) -> CmlfqConfig:
     num_buckets = draw(st.integers(1, 4))
     thresholds = sorted(draw(st.sets(st.integers(1, 1500), min_size=num_buckets, max_size=num_buckets)))
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    priced = draw(st.booleans())
     return CmlfqConfig(
-        buckets=tuple(BucketConfig(f"b{i}", 2**i, t) for i, t in enumerate(thresholds)),
+        buckets=tuple(
+            BucketConfig(f"b{i}", 2**i, t, speed(rng) if priced else None) for i, t in enumerate(thresholds)
+        ),
+        draining_fraction=draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
         p90_window=draw(st.integers(1, 15)),
         rebuild_window=draw(st.integers(1, 30)),
         rebuild_interval=draw(st.integers(0, 8)),
@@ -70,6 +94,8 @@ class Twin:
         self.instances: list[int] = []
         self.next_instance = 0
         self.next_trajectory = 0
+        self.reasons: set[Reason] = set()
+        """Of every tool return's decision (what the traces exercised)."""
 
     def both(self, method: str, *args: object) -> object:
         native = getattr(self.native, method)(*args)
@@ -94,7 +120,9 @@ class Twin:
             if kind == "tool":
                 self.generated[trajectory] += tokens
                 state = STATES[(index + tokens) % len(STATES)]
-                self.both("on_tool_return", trajectory, state, self.generated[trajectory])
+                context = self.generated[trajectory] + 100 * index
+                decision = self.both("on_tool_return", trajectory, state, self.generated[trajectory], context)
+                self.reasons.add(decision.reason)
             elif kind == "finish":
                 self.both("on_finish", trajectory, self.generated.pop(trajectory) + tokens)
             elif kind == "abort":
@@ -130,7 +158,10 @@ class Twin:
         rng = random.Random(index * 1000 + tokens)
         num_buckets = rng.randint(1, 4)
         thresholds = sorted(rng.sample(range(1, 1500), num_buckets))
-        buckets = tuple(BucketConfig(f"u{i}", 2**i, t) for i, t in enumerate(thresholds))
+        priced = rng.random() < 0.5
+        buckets = tuple(
+            BucketConfig(f"u{i}", 2**i, t, speed(rng) if priced else None) for i, t in enumerate(thresholds)
+        )
         mapping = {instance: rng.randrange(num_buckets) for instance in self.instances}
         self.both("update_buckets", buckets, mapping)
         self.num_buckets = num_buckets
@@ -167,6 +198,19 @@ def test_same_decisions_on_random_traces(
         twin.apply(op)
     twin.check_model()
     twin.check_loads()
+    PRICED_REASONS.update(twin.reasons & {Reason.MOVE_NOT_WORTH_IT, Reason.MIGRATE_FASTER})
+
+
+PRICED_REASONS: set[Reason] = set()
+"""The priced reasons the random traces' tool returns came out with."""
+
+
+def test_random_traces_reach_both_priced_outcomes() -> None:
+    """The equivalence above covers the priced rules: its traces refuse moves that do not pay and
+    make moves to a faster bucket."""
+    PRICED_REASONS.clear()
+    test_same_decisions_on_random_traces()
+    assert PRICED_REASONS == {Reason.MOVE_NOT_WORTH_IT, Reason.MIGRATE_FASTER}
 
 
 @settings(max_examples=100, deadline=None)

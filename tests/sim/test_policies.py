@@ -159,3 +159,25 @@ def test_every_re_plan_is_logged_with_its_verdict(comparison):
         assert rejected or applied, name  # the tiny run re-plans (plan_interval=2)
         assert all(n.split(": ")[2] in {t.value for t in TriggerReason} for n in rejected), name
         assert all("gain" in n and "net gain" in n for n in applied), name
+
+
+def test_cmlfq_prices_its_moves_from_the_cost_model_unless_told_not_to():
+    from libra.planner.routing_speeds import bucket_speed
+    from libra.sim.loop import AsyncRun, preflight_history
+    from libra.sim.pools import build_layout
+
+    config = tiny_config()
+    history = preflight_history(config)
+    policy = POLICIES["libra_no_planner"]
+    layout = build_layout(config, policy, history, None)
+    cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
+    priced = AsyncRun(config, policy, layout, history).cluster.router.config.buckets
+    assert len(priced) > 1
+    assert [b.speed for b in priced] == [bucket_speed(cost, b.tp_size, history) for b in priced]
+    kv_move = dataclasses.replace(config, costs=dataclasses.replace(config.costs, migration="kv_move"))
+    free_moves = AsyncRun(kv_move, policy, layout, history).cluster.router.config.buckets
+    assert all(b.speed.move_linear_s == b.speed.move_quadratic_s == 0 for b in free_moves)
+    unpriced = dataclasses.replace(config, cmlfq_price_moves=False)
+    assert all(
+        b.speed is None for b in AsyncRun(unpriced, policy, layout, history).cluster.router.config.buckets
+    )

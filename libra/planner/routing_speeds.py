@@ -1,0 +1,54 @@
+"""The speed of each router bucket's instances, priced by the rollout cost model, so that C-MLFQ
+promotes a trajectory only when the move pays (`libra.scheduler.BucketSpeed`).
+
+A decode step of a TP-tp instance with n sequences holding K KV tokens takes a + b n + c K
+(`RolloutCostModel.decode_coefficients`). The router knows each instance's live trajectories,
+not their contexts, so K is priced at the history's mean decoding context, prompt plus half the
+output, as `RolloutCostModel.instance_profile` does: step_s = a, per_sequence_s = b + c x context.
+A move re-prefills the trajectory's context on the target; the cost model's prefill time is a
+quadratic in the tokens (plus a floor that a step pays anyway), recovered from three evaluations.
+Where the KV is transferred instead (started when the tool returns, finished within the tool call
+in all but the longest contexts), the move is priced as free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from libra.planner.config import RequestRecord
+from libra.planner.rollout_cost import RolloutCostModel
+from libra.scheduler.config import BucketConfig, BucketSpeed
+
+_PROBE_TOKENS = 1000.0
+
+
+def bucket_speed(
+    cost: RolloutCostModel, tp: int, history: Sequence[RequestRecord], kv_transfer: bool = False
+) -> BucketSpeed:
+    """The speed of one TP-tp instance on a workload like `history`."""
+    if not history:
+        raise ValueError("bucket speeds need a history of finished trajectories")
+    base, per_sequence, per_kv_token = cost.decode_coefficients(tp)
+    context = float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in history]))
+    if kv_transfer:
+        linear = quadratic = 0.0
+    else:
+        f0, f1, f2 = (
+            float(cost.prefill_seconds(tp, np.float64(p))) for p in (0.0, _PROBE_TOKENS, 2 * _PROBE_TOKENS)
+        )
+        quadratic = max(0.0, (f2 - 2 * f1 + f0) / (2 * _PROBE_TOKENS**2))
+        linear = max(0.0, (f1 - f0) / _PROBE_TOKENS - quadratic * _PROBE_TOKENS)
+    return BucketSpeed(base, per_sequence + per_kv_token * context, linear, quadratic)
+
+
+def with_speeds(
+    buckets: Sequence[BucketConfig],
+    cost: RolloutCostModel,
+    history: Sequence[RequestRecord],
+    kv_transfer: bool = False,
+) -> tuple[BucketConfig, ...]:
+    """`buckets` with each one's speed (`bucket_speed` at its TP size)."""
+    return tuple(replace(b, speed=bucket_speed(cost, b.tp_size, history, kv_transfer)) for b in buckets)
