@@ -21,13 +21,15 @@
 // the predicted remaining tokens, decoded at the target's step with its load plus this trajectory
 // instead of at the current instance's step, must save more time than re-prefilling (or
 // transferring) the context on the target costs it and the trajectories the prefill holds up
-// there; a move that does not pay is not made. While the pool drains (its live trajectories at
-// most `draining_fraction` of the caps: a synchronous step's tail, the end of a run), a
-// trajectory also moves to a larger bucket with room whenever that pays, whatever its band.
+// there; a promotion that does not pay is not made. While the pool drains (its live trajectories
+// at most `draining_fraction` of the caps: a synchronous step's tail, the end of a run), a
+// trajectory whose prediction keeps it in its bucket also moves to a larger bucket with room
+// whenever that pays.
 #include "cmlfq/scheduler.h"
 
 #include <algorithm>
 #include <limits>
+#include <stdexcept>
 #include <string>
 
 namespace libra::cmlfq {
@@ -37,10 +39,17 @@ int32_t clamp_tokens(int64_t tokens) {
   return static_cast<int32_t>(std::clamp<int64_t>(tokens, 0, std::numeric_limits<int32_t>::max()));
 }
 
+Config check_speeds(Config config) {
+  if (!config.bucket_speeds.empty() && config.bucket_speeds.size() != config.bucket_thresholds.size()) {
+    throw std::invalid_argument("the scheduler needs no bucket speeds or one per threshold");
+  }
+  return config;
+}
+
 }  // namespace
 
 Scheduler::Scheduler(Config config)
-    : config_(std::move(config)),
+    : config_(check_speeds(std::move(config))),
       thresholds_(config_.bucket_thresholds),
       speeds_(config_.bucket_speeds),
       model_(config_.p90_window, config_.rebuild_window),
@@ -91,7 +100,9 @@ Decision Scheduler::decide_move(Trajectory& trajectory, const BucketChoice& choi
   if (!instances_.has_room(choice.bucket)) {
     return {trajectory.bucket, trajectory.instance, Reason::kTargetFullStay, false};
   }
-  if (!speeds_.empty() && move_gain(trajectory, choice.bucket, choice.mean_remaining) <= 0) {
+  // Promotions are priced; a demotion (`demote`) is about priority, not speed, and is not.
+  if (!speeds_.empty() && choice.bucket > trajectory.bucket &&
+      move_gain(trajectory, choice.bucket, choice.mean_remaining) <= 0) {
     return {trajectory.bucket, trajectory.instance, Reason::kMoveNotWorthIt, false};
   }
   return move_to(trajectory, choice.bucket, choice.reason);

@@ -44,9 +44,10 @@ class Scheduler {
   // once; nothing changes if it does not). Every live trajectory is then decided again under the
   // new thresholds, in ascending id order: its bucket is where its instance now is (unplaced: its
   // old bucket, clamped), unless its causal path's mean and P90 agree on another bucket, in which
-  // case it is moved there now (its next turn runs on the new instance). `speeds` replace the
-  // buckets' speeds (empty, or one per threshold). Returns the decisions of the trajectories that
-  // moved, ascending id.
+  // case it is moved there now (its next turn runs on the new instance) unless, as at a tool
+  // return, the target is full or the promotion does not pay. `speeds` replace the buckets'
+  // speeds (empty, or one per threshold). Returns the decisions of the trajectories that moved,
+  // ascending id.
   std::vector<std::pair<TrajectoryId, Decision>> update_buckets(
       std::vector<int64_t> thresholds, const std::vector<std::pair<InstanceId, uint32_t>>& instance_buckets,
       std::vector<BucketSpeed> speeds = {});

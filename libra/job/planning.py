@@ -464,6 +464,8 @@ class JobPlanning:
             return
         if len(self.history) >= 1:
             self.planner.update_history(tuple(self.history))
+            # The launch priced the router's buckets on a seed request: now on what ran.
+            self.instances.pool.reprice()
         # Rollout ran during the whole step: its batch arrived `wait_s` after training (and
         # publication) of the previous one would have allowed. When the loop did not wait, that
         # is only a bound on rollout's time; the planner's calibration treats it as one.

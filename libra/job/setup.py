@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from libra.config import LibraConfig
@@ -22,7 +23,7 @@ from libra.job.recorder import ClusterSample, InstanceSample, JobEvent, RunRecor
 from libra.job.task_source import load_task_source
 from libra.job.train_ranks import TrainRankGroup
 from libra.rollout import AgentLoop, InstancePool
-from libra.scheduler import make_router
+from libra.scheduler import BucketConfig, make_router
 from libra.training.hybrid import HYBRID_POOL_LIMITS
 
 logger = logging.getLogger(__name__)
@@ -145,9 +146,10 @@ class JobWorkers:
 
         return planning_problem(self.config, self.source.model_dir)
 
-    def _bucket_pricing(self):
+    def _bucket_pricing(self) -> Callable[[Sequence[BucketConfig]], tuple[BucketConfig, ...]] | None:
         """The planner's `priced_buckets` when C-MLFQ prices its moves (`job.price_moves`, with
-        the planner on and the `cmlfq` router), else None."""
+        the planner on and the `cmlfq` router), else None. The pool prices its buckets with it at
+        launch, at every change of buckets and after every step (`JobPlanning.after_step`)."""
         planner = self.cluster.planner
         if not self.job.price_moves or planner is None or self.job.router != "cmlfq":
             return None

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from libra.planner.calibration import StageScales, StepCalibration, scaled_factors
+from libra.planner.candidates import candidate_plans
 from libra.planner.config import PlanningProblem, RequestRecord, TriggerPolicy
 from libra.planner.cost_model import EfficiencyFactors
 from libra.planner.diff import Action, RestartTraining, diff_plans
@@ -40,7 +41,7 @@ from libra.planner.evaluate import evaluate_plan
 from libra.planner.plan import Plan
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.routing_speeds import with_speeds
-from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS, candidate_plans, search
+from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS, search
 from libra.planner.triggers import (
     ApplyDecision,
     ReconfigurationCosts,
@@ -139,9 +140,9 @@ class Planner:
     def priced_buckets(self, buckets: Sequence[BucketConfig]) -> tuple[BucketConfig, ...]:
         """`buckets` with their instances' speeds (`libra.planner.routing_speeds`) by the
         calibrated rollout model on the current history, so that C-MLFQ promotes a trajectory only
-        where the move pays."""
-        with self._lock:
-            problem, (_, rollout) = self._problem, self._calibrated()
+        where the move pays. Takes no lock: the rollout pool's event loop calls it, and must not
+        wait for a search; the problem and the scales are replaced whole, never changed in place."""
+        problem, (_, rollout) = self._problem, self._calibrated()
         cost = RolloutCostModel(problem.cluster, problem.model, problem.config, rollout)
         return with_speeds(buckets, cost, problem.history)
 

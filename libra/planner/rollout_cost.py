@@ -36,6 +36,7 @@ because a large instance is capped at max_decode_batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,12 @@ from libra.planner.cost_model import (
     allreduce_latency_s,
     ring_allreduce_s,
 )
+
+
+def mean_decoding_context(history: Sequence[RequestRecord]) -> float:
+    """The KV tokens a request of `history` holds while it decodes, on average: its prefill and
+    half its output."""
+    return float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in history]))
 
 
 @dataclass(frozen=True)
@@ -151,7 +158,7 @@ class RolloutCostModel:
 
     def instance_profile(self, tp: int, history: tuple[RequestRecord, ...]) -> InstanceProfile:
         capacity = self.token_capacity(tp)
-        mean_context = float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in history]))
+        mean_context = mean_decoding_context(history)
         if capacity <= 0:
             return InstanceProfile(tp, 0, 0.0, float("inf"), 0.0, float("inf"))
         batch = max(1.0, min(float(self.config.max_decode_batch), capacity / max(mean_context, 1.0)))
@@ -213,7 +220,7 @@ class RolloutCostModel:
         outputs = sum(r.output_tokens for r in history)
         prompts = np.array([r.prompt_tokens for r in history], dtype=float)
         waiting = sum(r.tool_time_s for r in history) + float(self.prefill_seconds(tp, prompts).sum())
-        context = float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in history]))
+        context = mean_decoding_context(history)
         capacity_batch = min(self.token_capacity(tp) / max(context, 1.0), float(self.config.max_decode_batch))
         per_device = in_flight / rollout_devices
         for _ in range(100):

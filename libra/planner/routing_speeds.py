@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from libra.planner.config import RequestRecord
-from libra.planner.rollout_cost import RolloutCostModel
+from libra.planner.rollout_cost import RolloutCostModel, mean_decoding_context
 from libra.scheduler.config import BucketConfig, BucketSpeed
 
 _PROBE_TOKENS = 1000.0
@@ -32,7 +32,7 @@ def bucket_speed(
     if not history:
         raise ValueError("bucket speeds need a history of finished trajectories")
     base, per_sequence, per_kv_token = cost.decode_coefficients(tp)
-    context = float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in history]))
+    context = mean_decoding_context(history)
     if kv_transfer:
         linear = quadratic = 0.0
     else:

@@ -375,33 +375,6 @@ def search_within(
     )
 
 
-def candidate_plans(
-    problem: PlanningProblem,
-    train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS,
-    rollout_factors: EfficiencyFactors = DEFAULT_ROLLOUT_FACTORS,
-    optimum: Plan | None = None,
-) -> list[Plan]:
-    """The plans worth re-scoring outside the cost model: the optimum (`optimum`, or `search`'s),
-    then the best plan with rollout instances of one TP size only, for each size of the space,
-    in order of predicted step. A size no plan of the space can use is left out, and so is a plan
-    with the same training layout and rollout pool as one already listed. The model's near-ties
-    between a mix and a homogeneous pool are where it is least trustworthy: these are the
-    alternatives a simulator (`Planner`'s rescorer) should see."""
-    plans = [optimum if optimum is not None else search(problem, train_factors, rollout_factors)]
-    singles = []
-    for tp in problem.config.search.rollout_tp_sizes:
-        try:
-            singles.append(search_within(problem, train_factors, rollout_factors, rollout_tp_sizes=(tp,)))
-        except NoFeasiblePlan:
-            continue
-    seen = {plans[0].layout_key}
-    for plan in sorted(singles, key=lambda p: p.predicted_step_s):
-        if plan.layout_key not in seen:
-            seen.add(plan.layout_key)
-            plans.append(plan)
-    return plans
-
-
 MAX_CONCURRENCY_ROUNDS = 4
 TIE_BREAK_TOLERANCE = 1e-3
 

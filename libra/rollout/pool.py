@@ -260,6 +260,12 @@ class InstancePool:
         for instance_id, index in new_bucket.items():
             self._instances[instance_id].bucket = index
 
+    def reprice(self) -> None:
+        """The buckets again, with the speeds the pricing gives them now (its history and
+        calibration move on between bucket changes); nothing without a pricing."""
+        if self._price_buckets is not None:
+            self.update_buckets(self.buckets)
+
     def _in_service(self, instance_id: int, what: str) -> PooledInstance:
         pooled = self._instances.get(instance_id)
         if pooled is None:

@@ -29,7 +29,9 @@ class BucketSpeed:
     def __post_init__(self) -> None:
         for name in ("step_s", "per_sequence_s", "move_linear_s", "move_quadratic_s"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            if isinstance(value, bool) or not (
+                isinstance(value, int | float) and math.isfinite(value) and value >= 0
+            ):
                 raise ValueError(f"BucketSpeed.{name} must be a finite number >= 0, got {value!r}")
 
     def as_tuple(self) -> tuple[float, float, float, float]:
@@ -103,9 +105,9 @@ class CmlfqConfig:
     draining_fraction: float = 0.25
     """With the buckets' speeds known (`BucketConfig.speed`): while the ready instances' live
     trajectories are at most this share of their caps, the pool is draining -- a synchronous step
-    waiting for its tail, the end of a run -- and a trajectory moves to a larger bucket with room
-    whenever that decodes its predicted remaining tokens sooner, the move included
-    (`Reason.MIGRATE_FASTER`), whatever its band. Above it, the larger instances' room belongs to
+    waiting for its tail, the end of a run -- and a trajectory whose prediction keeps it in its
+    bucket moves to a larger bucket with room whenever that decodes its predicted remaining tokens
+    sooner, the move included (`Reason.MIGRATE_FASTER`). Above it, the larger instances' room belongs to
     the trajectories of their band: moving others there cost 2-7 % of trained tokens/s in the
     asynchronous paper-scale runs. In [0, 1]; 0 moves nobody outside its band."""
 

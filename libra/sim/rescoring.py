@@ -4,7 +4,7 @@ The cost model prices a plan by its work and its slowest request; the simulator 
 prefill, the prefix cache and its evictions, KV pressure, the router, the staleness gate, the
 tail. Where the model finds a mixed pool and a homogeneous one within a percent or two of each
 other, only the simulation can tell which is faster, so the planner simulates its candidates
-(the optimum and the best pool of each TP size, `libra.planner.search.candidate_plans`) for
+(the optimum and the best pool of each TP size, `libra.planner.candidates.candidate_plans`) for
 `SimConfig.planner_rescore_steps` steps and keeps the one with the most trained tokens/s.
 
 Each candidate runs as a static plan under C-MLFQ (its own buckets and thresholds), from the same

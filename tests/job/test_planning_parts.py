@@ -66,6 +66,10 @@ class FakePool:
         self.ids = ids
         self.buckets = (BucketConfig("short", 1, 256), BucketConfig("long", 2, 4096))
         self.router = SimpleNamespace()  # no instance_loads: pressure 0
+        self.repriced = 0
+
+    def reprice(self) -> None:
+        self.repriced += 1
 
     def live_ids(self) -> list[int]:
         return list(self.ids)
@@ -198,6 +202,8 @@ def test_external_plan_is_executed_at_the_next_step_and_recorded(model_dir, tmp_
         adoption = planning.planner.propose(_shrunk(planning.planner.current, 2), "external")
         await _settle(planning, 1)
         await _settle(planning, 2)
+        # Each step that fed the planner a history also priced the router's buckets again.
+        assert planning.history and planning.instances.pool.repriced >= 1
         assert planning.executor.executed == [
             (adoption.version, [StopRolloutInstance("rollout-tp1-d2", (2,), False)])
         ]

@@ -1,7 +1,7 @@
-"""The planner's candidates and its rescorer: the model's optimum and the best homogeneous pool of
-each TP size are scored, the best score is adopted, and a re-plan must beat the running plan's
-score. The rescorers here are fakes (scores chosen by the test); the simulator's own rescorer is
-tested in tests/sim/test_rescoring.py."""
+"""The planner's candidates and its rescorer: the model's optimum, the best homogeneous pool of
+each TP size and two-size pools on the optimum's split are scored, the best score is adopted, and
+a re-plan must beat the running plan's score. The rescorers here are fakes (scores chosen by the
+test); the simulator's own rescorer is tested in tests/sim/test_rescoring.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import math
 
 import pytest
 
+from libra.planner.candidates import MIXED_SHARES, candidate_plans, mixed_pool_plans
 from libra.planner.planner import Planner
-from libra.planner.search import candidate_plans, search
+from libra.planner.rollout_cost import RolloutCostModel
+from libra.planner.routing_thresholds import capacity_thresholds
+from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, search
 from libra.planner.triggers import StepObservation
 from tests.planner.helpers import EVERY_STEP
 from tests.planner.test_diff_and_planner import make_plan, sample_without_floors
@@ -21,14 +24,18 @@ def _tp_sizes(plan) -> set[int]:
     return {i.tp for i in plan.instances}
 
 
-def test_candidates_are_the_optimum_then_one_plan_per_tp_size_none_twice():
+def test_candidates_are_the_optimum_then_one_plan_per_tp_size_then_mixes_none_twice():
     problem = sample_without_floors()
     optimum = search(problem)
     plans = candidate_plans(problem)
     assert plans[0].layout_key == optimum.layout_key
     assert len({p.layout_key for p in plans}) == len(plans)
-    singles = plans[1:]
-    assert all(len(_tp_sizes(p)) == 1 for p in singles)
+    singles = [p for p in plans[1:] if len(_tp_sizes(p)) == 1]
+    mixes = [p for p in plans[1:] if len(_tp_sizes(p)) > 1]
+    assert plans[1:] == singles + mixes and mixes
+    assert [p.layout_key for p in candidate_plans(problem, mixed=False)[1:]] == [
+        p.layout_key for p in singles
+    ]
     # Every TP size of the space that holds the model is there, unless it is the optimum's own pool.
     sizes = {next(iter(_tp_sizes(p))) for p in singles}
     if len(_tp_sizes(optimum)) == 1:
@@ -37,6 +44,40 @@ def test_candidates_are_the_optimum_then_one_plan_per_tp_size_none_twice():
     assert [p.predicted_step_s for p in singles] == sorted(p.predicted_step_s for p in singles)
     # No single-size plan beats the optimum in the model (it searched a superset).
     assert all(p.predicted_step_s >= optimum.predicted_step_s * (1 - 1e-3) for p in singles)
+
+
+def test_mixed_candidates_are_two_size_pools_on_the_optimums_split():
+    problem = sample_without_floors()
+    optimum = search(problem)
+    mixes = mixed_pool_plans(problem, optimum)
+    cluster = problem.cluster
+    rollout_devices = cluster.num_devices - optimum.training.config.num_devices
+    assert mixes
+    for plan in mixes:
+        (small, n_small), (large, n_large) = [(b.tp, b.num_instances) for b in plan.buckets]
+        assert small < large and n_small >= 1 and n_large >= 1
+        assert small * n_small + large * n_large == rollout_devices  # they fill the rollout devices
+        assert plan.training == optimum.training
+        assert math.isfinite(plan.predicted_step_s)  # priced by the model (and validated by it)
+        # The thresholds are those C-MLFQ would fit to the buckets' capacity.
+        cost = RolloutCostModel(cluster, problem.model, problem.config, DEFAULT_ROLLOUT_FACTORS)
+        expected = capacity_thresholds(
+            cost, ((small, n_small), (large, n_large)), problem.history, demote=False
+        )
+        assert tuple(b.max_output_tokens for b in plan.buckets) == expected
+    # Each pair of sizes at about a quarter, a half and three quarters of the devices (distinct counts).
+    pairs = {(b[0].tp, b[1].tp) for b in (p.buckets for p in mixes)}
+    for small, large in pairs:
+        counts = sorted(
+            p.buckets[1].num_instances for p in mixes if (p.buckets[0].tp, p.buckets[1].tp) == (small, large)
+        )
+        assert counts == sorted(
+            {
+                max(1, round(share * rollout_devices / large))
+                for share in MIXED_SHARES
+                if rollout_devices - max(1, round(share * rollout_devices / large)) * large >= small
+            }
+        )
 
 
 def test_initial_plan_adopts_the_best_score_not_the_models_optimum():

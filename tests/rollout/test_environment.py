@@ -249,6 +249,8 @@ class RecordingRouter(PlannedRouter):
     def __init__(self):
         super().__init__([0])
         self.tool_returns: list = []
+        self.contexts: list[int] = []
+        """The context each tool return was told with (what a move would re-prefill)."""
         self.admitted: list[str] = []
 
     def admit(self, trajectory_id, prompt_id):
@@ -257,6 +259,7 @@ class RecordingRouter(PlannedRouter):
 
     def on_tool_return(self, trajectory_id, state, generated_tokens, context_tokens=0):
         self.tool_returns.append((trajectory_id, state, generated_tokens))
+        self.contexts.append(context_tokens)
         return super().on_tool_return(trajectory_id, state, generated_tokens)
 
 
@@ -353,6 +356,12 @@ def test_the_environment_answers_each_turn_with_a_user_turn_and_the_router_hears
     assert [(s.tool, s.status, g) for _, s, g in router.tool_returns] == [
         (name, ToolStatus.SUCCESS, len(turns[0])),
         (name, ToolStatus.SUCCESS, len(turns[0]) + len(turns[1])),
+    ]
+    # Each with the whole context so far, the observation just appended included.
+    prompt = len(trajectory.prompt_token_ids)
+    assert router.contexts == [
+        prompt + len(turns[0]) + len(observations[0]),
+        prompt + len(turns[0]) + len(observations[0]) + len(turns[1]) + len(observations[1]),
     ]
     assert router.finished == {"t": trajectory.num_generated_tokens}
     assert trajectory.num_turns == 3 and len(episode.step_seconds) == 3

@@ -3,6 +3,7 @@ the router prices its moves by the planner's calibrated model on the current his
 
 from __future__ import annotations
 
+from libra.planner.config import RequestRecord
 from libra.planner.planner import Planner
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.routing_speeds import with_speeds
@@ -35,3 +36,23 @@ def test_bucket_changes_carry_the_planners_speeds() -> None:
     assert pool.buckets == planner.priced_buckets(new)
     assert router.config.speeds == [b.speed.as_tuple() for b in planner.priced_buckets(new)]
     assert router.thresholds == [500, 2**31 - 1]
+
+
+def test_reprice_follows_the_planners_history() -> None:
+    """The job's launch prices on a seed request; after each step the pool prices again on the
+    history the planner has then."""
+    problem = random_problem(1)
+    planner = Planner(problem)
+    buckets = planner.priced_buckets((BucketConfig("tp1", 1, 1000), BucketConfig("tp2", 2, 2**31 - 1)))
+    config = CmlfqConfig(buckets=buckets)
+    router = CmlfqRouter(config)
+    pool = InstancePool(router, TOKEN, config, price_buckets=planner.priced_buckets)
+    router.add_instance(0, 0)
+    pool._instances[0] = PooledInstance(0, client=None, bucket=0, max_model_len=512)
+    before = router.config.speeds
+    longer = tuple(RequestRecord(r.prompt_tokens * 4 + 100, r.output_tokens * 4) for r in problem.history)
+    planner.update_history(longer)
+    pool.reprice()
+    assert router.config.speeds == [b.speed.as_tuple() for b in planner.priced_buckets(buckets)]
+    # Longer contexts: each live trajectory costs more per step.
+    assert all(new[1] > old[1] for new, old in zip(router.config.speeds, before, strict=True))

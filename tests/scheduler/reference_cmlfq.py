@@ -196,7 +196,7 @@ class ReferenceCmlfq:
         live = self.live[trajectory_id]
         if not self.has_room(target):
             return Decision(trajectory_id, live.bucket, live.instance, Reason.TARGET_FULL_STAY, False)
-        if self.speeds and self.gain(live, target, mean) <= 0:
+        if self.speeds and target > live.bucket and self.gain(live, target, mean) <= 0:
             return Decision(trajectory_id, live.bucket, live.instance, Reason.MOVE_NOT_WORTH_IT, False)
         return self.move(trajectory_id, target, reason)
 

@@ -128,9 +128,30 @@ def test_update_buckets_carries_the_new_speeds() -> None:
     )
     moved = router.update_buckets(free_moves, {0: 0, 1: 1, 2: 2})
     assert [(d.trajectory_id, d.bucket, d.reason) for d in moved] == [("t", 1, Reason.MIGRATE_UP)]
+    # Without speeds, a move that would not pay under them is made.
     unpriced = tuple(BucketConfig(b.name, b.tp_size, b.max_remaining_tokens) for b in router.config.buckets)
     router.update_buckets(unpriced, {0: 0, 1: 1, 2: 2})
-    assert router.config.speeds == []
+    router.admit("u", "p")
+    moved = router.on_tool_return("u", SEARCH, 60, 10**7)
+    assert (moved.bucket, moved.reason, moved.migrated) == (1, Reason.MIGRATE_UP, True)
+
+
+def test_demotions_are_not_priced() -> None:
+    """A demotion (`demote`) is about priority: it is made although the smaller bucket is slower."""
+    router = priced_router(demote=True, draining_fraction=0.0)
+    for _ in range(3):
+        learn(router, "p", [SEARCH, PASS], [600, 500, 50])  # SEARCH: medium; then PASS: small
+    router.admit("t", "p")
+    assert router.on_tool_return("t", SEARCH, 100, context_tokens=0).reason == Reason.MIGRATE_UP
+    down = router.on_tool_return("t", PASS, 550, context_tokens=10**6)
+    assert (down.bucket, down.instance_id, down.reason, down.migrated) == (0, 0, Reason.MIGRATE_DOWN, True)
+
+
+def test_the_core_refuses_speeds_that_do_not_match_the_buckets() -> None:
+    from libra import _native
+
+    with pytest.raises(ValueError, match="one per threshold"):
+        _native.CmlfqScheduler([100, 1000], 3, 10, 10, 0, bucket_speeds=[(0.01, 0.001, 0.0, 0.0)])
 
 
 def test_speeds_must_be_given_for_every_bucket_or_none() -> None:
@@ -139,7 +160,7 @@ def test_speeds_must_be_given_for_every_bucket_or_none() -> None:
 
 
 @pytest.mark.parametrize("field", ["step_s", "per_sequence_s", "move_linear_s", "move_quadratic_s"])
-@pytest.mark.parametrize("value", [-1e-3, float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [-1e-3, float("nan"), float("inf"), True])
 def test_bad_speeds_name_the_field(field: str, value: float) -> None:
     values = {"step_s": 0.01, "per_sequence_s": 0.001, field: value}
     with pytest.raises(ValueError, match=f"BucketSpeed.{field}"):
