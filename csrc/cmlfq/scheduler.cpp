@@ -111,8 +111,8 @@ Decision Scheduler::decide_move(Trajectory& trajectory, const BucketChoice& choi
 double Scheduler::move_gain(const Trajectory& trajectory, uint32_t bucket, double mean_remaining) const {
   const InstanceId target = instances_.place(bucket, trajectory.instance).instance;
   // The current instance's load counts this trajectory; the target's gains it.
-  const double saving = mean_remaining * (speeds_[trajectory.bucket].step_with(instances_.active_of(trajectory.instance)) -
-                                          speeds_[bucket].step_with(instances_.active_of(target) + 1));
+  const double step_here = speeds_[trajectory.bucket].step_with(instances_.active_of(trajectory.instance));
+  const double saving = mean_remaining * (step_here - speeds_[bucket].step_with(instances_.active_of(target) + 1));
   // A re-prefill holds up every trajectory decoding on the target: the move costs its time once
   // for each of them and once for this one.
   return saving - speeds_[bucket].move_s(trajectory.context) * (1.0 + instances_.active_of(target));
