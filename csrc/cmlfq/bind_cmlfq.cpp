@@ -87,6 +87,9 @@ void bind_cmlfq(py::module_& m) {
            release_gil(), py::arg("thresholds"), py::arg("instance_buckets"),
            py::arg("bucket_speeds") = std::vector<SpeedTuple>{},
            "(trajectory id, (bucket, instance, reason, migrated)) of each trajectory moved, ascending id.")
+      .def("set_speeds",
+           [](Scheduler& s, const std::vector<SpeedTuple>& speeds) { s.set_speeds(as_speeds(speeds)); },
+           release_gil(), py::arg("bucket_speeds"))
       .def("thresholds", &Scheduler::thresholds, release_gil())
       .def("set_instance_ready", &Scheduler::set_instance_ready, release_gil())
       .def("set_instance_kv", &Scheduler::set_instance_kv, release_gil(), py::arg("instance"), py::arg("used"),

@@ -274,6 +274,14 @@ std::vector<std::pair<TrajectoryId, Decision>> Scheduler::update_buckets(
   return moved;
 }
 
+void Scheduler::set_speeds(std::vector<BucketSpeed> speeds) {
+  std::lock_guard lock(mutex_);
+  if (!speeds.empty() && speeds.size() != thresholds_.size()) {
+    throw std::invalid_argument("set_speeds needs no bucket speeds or one per bucket");
+  }
+  speeds_ = std::move(speeds);
+}
+
 std::vector<int64_t> Scheduler::thresholds() const {
   std::lock_guard lock(mutex_);
   return thresholds_;

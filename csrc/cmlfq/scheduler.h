@@ -51,6 +51,9 @@ class Scheduler {
   std::vector<std::pair<TrajectoryId, Decision>> update_buckets(
       std::vector<int64_t> thresholds, const std::vector<std::pair<InstanceId, uint32_t>>& instance_buckets,
       std::vector<BucketSpeed> speeds = {});
+  // The buckets' speeds alone (empty, or one per bucket): nobody is decided again; they apply
+  // from each trajectory's next tool return.
+  void set_speeds(std::vector<BucketSpeed> speeds);
   std::vector<int64_t> thresholds() const;
   // Returns the trajectories that ran there, ascending; they stay live, unplaced, until rerouted.
   std::vector<TrajectoryId> remove_instance(InstanceId instance);

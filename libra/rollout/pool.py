@@ -261,10 +261,15 @@ class InstancePool:
             self._instances[instance_id].bucket = index
 
     def reprice(self) -> None:
-        """The buckets again, with the speeds the pricing gives them now (its history and
-        calibration move on between bucket changes); nothing without a pricing."""
-        if self._price_buckets is not None:
-            self.update_buckets(self.buckets)
+        """The speeds the pricing gives the buckets now (its history and calibration move on
+        between bucket changes), for the router's next decisions; nobody is decided again.
+        Nothing without a pricing, or with a router that has no speeds (the baselines)."""
+        set_speeds = getattr(self.router, "set_bucket_speeds", None)
+        if self._price_buckets is None or set_speeds is None:
+            return
+        priced = self._price_buckets(self.buckets)
+        set_speeds(priced)
+        self._cmlfq = dataclasses.replace(self._cmlfq, buckets=tuple(priced))
 
     def _in_service(self, instance_id: int, what: str) -> PooledInstance:
         pooled = self._instances.get(instance_id)

@@ -127,6 +127,19 @@ class CmlfqRouter:
         self.config = config
         return [_decision(trajectory_id, decision) for trajectory_id, decision in moved]
 
+    def set_bucket_speeds(self, buckets: Sequence[BucketConfig]) -> None:
+        """New speeds for the same buckets (`BucketConfig.speed`; names, TP sizes and thresholds
+        as now, else ValueError): they apply from each trajectory's next tool return, and nobody
+        is decided again (unlike `update_buckets`)."""
+        config = dataclasses.replace(self.config, buckets=tuple(buckets))
+        unchanged = [(b.name, b.tp_size, b.max_remaining_tokens) for b in self.config.buckets]
+        if [(b.name, b.tp_size, b.max_remaining_tokens) for b in config.buckets] != unchanged:
+            raise ValueError(
+                f"set_bucket_speeds keeps the buckets {unchanged}; use update_buckets to change them"
+            )
+        self._core.set_speeds(config.speeds)
+        self.config = config
+
     @property
     def thresholds(self) -> list[int]:
         """The core's bucket thresholds now (they change with `update_buckets`)."""

@@ -9,7 +9,7 @@ from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.routing_speeds import with_speeds
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS
 from libra.rollout.pool import InstancePool, PooledInstance
-from libra.scheduler import BucketConfig, CmlfqConfig, CmlfqRouter
+from libra.scheduler import BucketConfig, CmlfqConfig, CmlfqRouter, LeastLoadRouter
 from tests.planner.helpers import random_problem
 from tests.rollout.conftest import TOKEN
 
@@ -54,5 +54,14 @@ def test_reprice_follows_the_planners_history() -> None:
     planner.update_history(longer)
     pool.reprice()
     assert router.config.speeds == [b.speed.as_tuple() for b in planner.priced_buckets(buckets)]
+    assert pool.buckets == planner.priced_buckets(buckets) and router.thresholds == [1000, 2**31 - 1]
     # Longer contexts: each live trajectory costs more per step.
     assert all(new[1] > old[1] for new, old in zip(router.config.speeds, before, strict=True))
+
+
+def test_reprice_leaves_a_router_without_speeds_alone() -> None:
+    planner = Planner(random_problem(2))
+    config = CmlfqConfig(buckets=(BucketConfig("tp1", 1, 1000), BucketConfig("tp2", 2, 2**31 - 1)))
+    pool = InstancePool(LeastLoadRouter(config), TOKEN, config, price_buckets=planner.priced_buckets)
+    pool.reprice()
+    assert pool.buckets == config.buckets

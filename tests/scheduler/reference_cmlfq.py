@@ -283,6 +283,9 @@ class ReferenceCmlfq:
         instance = self.instances[instance_id]
         instance.kv_used, instance.kv_capacity = used_tokens, capacity_tokens
 
+    def set_bucket_speeds(self, buckets) -> None:
+        self.speeds = [b.speed.as_tuple() for b in buckets if b.speed is not None]
+
     def update_buckets(self, buckets, instance_buckets: dict[int, int]) -> list[Decision]:
         """New thresholds and instance buckets; then each live trajectory, in id order, takes its
         instance's new bucket, or moves where its path's mean and P90 now agree."""

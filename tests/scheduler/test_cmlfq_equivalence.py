@@ -11,6 +11,7 @@ Every decision must match in bucket, instance, reason and migrated; predictions 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from hypothesis import given, settings
@@ -77,7 +78,7 @@ KINDS = (
     + ["finish"] * 3
     + ["add"] * 2
     + ["kv"] * 3
-    + ["abort", "reroute", "lose", "ready", "rebuild", "update"]
+    + ["abort", "reroute", "lose", "ready", "rebuild", "update", "speeds"]
 )
 ops = st.tuples(st.sampled_from(KINDS), st.integers(0, 50), st.integers(0, 600), st.booleans())
 traces = st.lists(ops, min_size=20, max_size=200)
@@ -151,6 +152,10 @@ class Twin:
             self.both("rebuild")
         elif kind == "update":
             self.update_buckets(index, tokens)
+        elif kind == "speeds" and self.native.config.speeds:
+            rng = random.Random(index * 1000 + tokens)
+            buckets = tuple(dataclasses.replace(b, speed=speed(rng)) for b in self.native.config.buckets)
+            self.both("set_bucket_speeds", buckets)
 
     def update_buckets(self, index: int, tokens: int) -> None:
         """A re-plan: 1-4 new buckets with thresholds around the token counts traces generate,

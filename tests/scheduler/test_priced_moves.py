@@ -4,6 +4,8 @@ band. Hand-built traces on the C++ router; `test_cmlfq_equivalence.py` holds it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from libra.scheduler import BucketConfig, BucketSpeed, CmlfqConfig, CmlfqRouter, Reason
@@ -116,7 +118,9 @@ def test_a_faster_bucket_is_not_taken_when_the_move_costs_more_than_it_saves() -
     assert (stay.bucket, stay.instance_id, stay.reason) == (0, 0, Reason.STAY_SAME_BUCKET)
 
 
-def test_update_buckets_carries_the_new_speeds() -> None:
+def _held_back_with_free_moves() -> tuple[CmlfqRouter, tuple[BucketConfig, ...]]:
+    """A router whose trajectory "t" was refused a promotion its 100,000-token context does not
+    pay for, and the same buckets with moves priced free."""
     router = priced_router(draining_fraction=0.0)
     for _ in range(3):
         learn(router, "p", [SEARCH], [560, 500])
@@ -126,6 +130,11 @@ def test_update_buckets_carries_the_new_speeds() -> None:
         BucketConfig(b.name, b.tp_size, b.max_remaining_tokens, BucketSpeed(b.speed.step_s, 0.001))
         for b in router.config.buckets
     )
+    return router, free_moves
+
+
+def test_update_buckets_carries_the_new_speeds() -> None:
+    router, free_moves = _held_back_with_free_moves()
     moved = router.update_buckets(free_moves, {0: 0, 1: 1, 2: 2})
     assert [(d.trajectory_id, d.bucket, d.reason) for d in moved] == [("t", 1, Reason.MIGRATE_UP)]
     # Without speeds, a move that would not pay under them is made.
@@ -134,6 +143,18 @@ def test_update_buckets_carries_the_new_speeds() -> None:
     router.admit("u", "p")
     moved = router.on_tool_return("u", SEARCH, 60, 10**7)
     assert (moved.bucket, moved.reason, moved.migrated) == (1, Reason.MIGRATE_UP, True)
+
+
+def test_new_speeds_apply_from_the_next_tool_return_and_move_nobody() -> None:
+    router, free_moves = _held_back_with_free_moves()
+    router.set_bucket_speeds(free_moves)
+    assert [load.active for load in router.instance_loads()] == [1, 0, 0]  # nobody moved yet
+    moved = router.on_tool_return("t", SEARCH, 90, 100_000)
+    assert (moved.bucket, moved.reason, moved.migrated) == (1, Reason.MIGRATE_UP, True)
+    with pytest.raises(ValueError, match="use update_buckets"):
+        router.set_bucket_speeds(
+            tuple(dataclasses.replace(b, max_remaining_tokens=b.max_remaining_tokens + 1) for b in free_moves)
+        )
 
 
 def test_demotions_are_not_priced() -> None:
