@@ -68,8 +68,8 @@ class JobConfig:
     price_moves: bool = True
     """With the planner on and the `cmlfq` router: the router's buckets carry their instances'
     speed by the planner's calibrated model (`Planner.priced_buckets`, again at every bucket
-    change), so a trajectory moves to a larger bucket only when the decoding that saves beats
-    re-prefilling its context there (`scheduler.BucketConfig.speed`)."""
+    change and after every step), so a trajectory moves to a larger bucket only when the decoding
+    that saves beats re-prefilling its context there (`scheduler.BucketConfig.speed`)."""
     eval_tasks: int = 96
     """Held-out tasks (never trained on) rolled out before the first step and after the last, with
     the training's sampling: the policy's reward before and after on the same prompts, free of the

@@ -134,6 +134,14 @@ class RolloutCostModel:
             latency_s=self._pass_floor_s(tp),
         )
 
+    def prefill_coefficients(self, tp: int) -> tuple[float, float]:
+        """(linear, quadratic) of `prefill_seconds` = floor + linear p + quadratic p^2 (p prompt
+        tokens): the model's prefill is a quadratic in the tokens, so three evaluations recover it
+        exactly (the floor, a step's own, is left out)."""
+        f0, f1, f2 = (float(self.prefill_seconds(tp, float(p))) for p in (0.0, 1000.0, 2000.0))
+        quadratic = (f2 - 2 * f1 + f0) / (2 * 1000.0**2)
+        return (f1 - f0) / 1000.0 - quadratic * 1000.0, quadratic
+
     def prefill_seconds(self, tp: int, prompt_tokens: np.ndarray) -> np.ndarray:
         """`prefill(tp, p).seconds(factors)` for every p in `prompt_tokens` at once."""
         f = self.factors

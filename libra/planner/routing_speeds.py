@@ -5,8 +5,8 @@ A decode step of a TP-tp instance with n sequences holding K KV tokens takes a +
 (`RolloutCostModel.decode_coefficients`). The router knows each instance's live trajectories,
 not their contexts, so K is priced at the history's mean decoding context, prompt plus half the
 output, as `RolloutCostModel.instance_profile` does: step_s = a, per_sequence_s = b + c x context.
-A move re-prefills the trajectory's context on the target; the cost model's prefill time is a
-quadratic in the tokens (plus a floor that a step pays anyway), recovered from three evaluations.
+A move re-prefills the trajectory's context on the target, priced by the cost model's prefill
+(`RolloutCostModel.prefill_coefficients`, without the floor a step pays anyway).
 Where the KV is transferred instead (started when the tool returns, finished within the tool call
 in all but the longest contexts), the move is priced as free.
 """
@@ -16,13 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-import numpy as np
-
 from libra.planner.config import RequestRecord
 from libra.planner.rollout_cost import RolloutCostModel, mean_decoding_context
 from libra.scheduler.config import BucketConfig, BucketSpeed
-
-_PROBE_TOKENS = 1000.0
 
 
 def bucket_speed(
@@ -33,14 +29,8 @@ def bucket_speed(
         raise ValueError("bucket speeds need a history of finished trajectories")
     base, per_sequence, per_kv_token = cost.decode_coefficients(tp)
     context = mean_decoding_context(history)
-    if kv_transfer:
-        linear = quadratic = 0.0
-    else:
-        f0, f1, f2 = (
-            float(cost.prefill_seconds(tp, np.float64(p))) for p in (0.0, _PROBE_TOKENS, 2 * _PROBE_TOKENS)
-        )
-        quadratic = max(0.0, (f2 - 2 * f1 + f0) / (2 * _PROBE_TOKENS**2))
-        linear = max(0.0, (f1 - f0) / _PROBE_TOKENS - quadratic * _PROBE_TOKENS)
+    # Rounding in the recovery can leave a coefficient a hair below zero.
+    linear, quadratic = (0.0, 0.0) if kv_transfer else (max(0.0, c) for c in cost.prefill_coefficients(tp))
     return BucketSpeed(base, per_sequence + per_kv_token * context, linear, quadratic)
 
 

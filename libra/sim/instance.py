@@ -83,11 +83,7 @@ class StepCoefficients:
     @staticmethod
     def of(cost: RolloutCostModel, tp: int) -> StepCoefficients:
         base, per_sequence, per_kv_token = cost.decode_coefficients(tp)
-        # The model's prefill time is a quadratic in the tokens (plus the latency floor):
-        # three evaluations recover it exactly.
-        f0, f1, f2 = (float(cost.prefill_seconds(tp, float(p))) for p in (0.0, 1000.0, 2000.0))
-        quadratic = (f2 - 2 * f1 + f0) / (2 * 1000.0**2)
-        linear = (f1 - f0) / 1000.0 - quadratic * 1000.0
+        linear, quadratic = cost.prefill_coefficients(tp)
         return StepCoefficients(
             tp, base, per_sequence, per_kv_token, linear, quadratic, cost.token_capacity(tp)
         )
