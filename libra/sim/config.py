@@ -302,7 +302,8 @@ class SimConfig:
     cmlfq_price_moves: bool = True
     """C-MLFQ's buckets carry their instances' speed from the cost model
     (`libra.planner.routing_speeds`), so a promotion is made only when it saves more decoding on
-    the loaded target than its move costs; false: every promotion to a bucket with room is made."""
+    the loaded target than its move costs; false: every promotion to a bucket with room is made.
+    The speeds follow the run's history: priced again after every step, as the job's are."""
     fixed_node_pattern: tuple[int, ...] = (1, 1, 2, 4)
     fixed_train_fraction: float = 2 / 3
     train_factors: EfficiencyFactors = DEFAULT_TRAIN_FACTORS

@@ -220,6 +220,17 @@ class RolloutCluster:
                 self._run_turn(traj)
         return len(moved)
 
+    def reprice(self, price: Callable[[tuple[BucketConfig, ...]], tuple[BucketConfig, ...]]) -> None:
+        """The buckets' speeds as `price` gives them now, set as the job sets them after each
+        step (`CmlfqRouter.set_bucket_speeds`): nobody is decided again. Nothing for a router
+        without speeds."""
+        set_speeds = getattr(self.router, "set_bucket_speeds", None)
+        if set_speeds is None:
+            return
+        buckets = price(self.cmlfq_config.buckets)
+        set_speeds(buckets)
+        self.cmlfq_config = replace(self.cmlfq_config, buckets=tuple(buckets))
+
     def _cut_from(self, inst: Instance, traj: LiveTrajectory) -> bool:
         """Takes `traj`'s turn off `inst` (decoding or queued); False if it was not there."""
         inst.advance(self.now)

@@ -458,6 +458,9 @@ class AsyncRun(PolicyRun):
         self.gate.on_train_step(self.batch.global_batch)
         self.step += 1
         self.cluster.publish(self.gate.version)
+        # The history moved on: the router's speeds follow it, as the job's do.
+        if self.config.cmlfq_price_moves:
+            self.cluster.reprice(self._priced)
         if self.planner is not None and self.step < self.config.num_steps:
             self._observe(train_s, rollout_s)
         self._start_groups()

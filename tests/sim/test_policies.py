@@ -181,3 +181,31 @@ def test_cmlfq_prices_its_moves_from_the_cost_model_unless_told_not_to():
     assert all(
         b.speed is None for b in AsyncRun(unpriced, policy, layout, history).cluster.router.config.buckets
     )
+
+
+def test_cmlfq_speeds_follow_the_runs_history_after_every_step():
+    """As the job re-prices after each step, the simulator's router ends the run with the speeds
+    of the history the run left, not the preflight's it launched with."""
+    from libra.planner.routing_speeds import bucket_speed
+    from libra.sim.loop import AsyncRun, preflight_history
+    from libra.sim.pools import build_layout
+
+    config = tiny_config()
+    history = preflight_history(config)
+    policy = POLICIES["libra_no_planner"]
+    run = AsyncRun(config, policy, build_layout(config, policy, history, None), history)
+    launch = [b.speed for b in run.cluster.router.config.buckets]
+    finished_steps = []
+    reprice = run.cluster.reprice
+
+    def counting(price):
+        finished_steps.append(run.step)
+        reprice(price)
+
+    run.cluster.reprice = counting
+    run.run()
+    cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
+    final = run.cluster.router.config.buckets
+    assert finished_steps == list(range(1, config.num_steps + 1))
+    assert [b.speed for b in final] == [bucket_speed(cost, b.tp_size, tuple(run.history)) for b in final]
+    assert [b.speed for b in final] != launch
