@@ -59,8 +59,9 @@ class CheckInstance:
         }
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
-                # Under a worker guard: the instance dies with the check, even a SIGKILLed one.
-                guarded(spec.to_argv()),
+                # Under a worker guard: the instance dies with the check, even a SIGKILLed one,
+                # and its temp files with it.
+                guarded(spec.to_argv(), private_tmp=True),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

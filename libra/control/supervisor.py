@@ -2,10 +2,11 @@
 
 Each worker runs under its guard (`worker_guard.py`), which leads a new session and process group
 (so stopping it also stops whatever it spawned) and, when the worker ends or the agent dies,
-kills the worker's whole tree and removes the /dev/shm files it leaked. The worker gets the
-backend's visible-devices environment for exactly its devices, stdout/stderr to a log file. A
-thread per worker spawns it, waits for the exit and calls `on_change`, which the agent forwards to
-the controller. The pid reported is the guard's, which is also the process group's id.
+kills the worker's whole tree and removes the /dev/shm files it leaked and its private TMPDIR
+(unless its spec sets TMPDIR). The worker gets the backend's visible-devices environment for
+exactly its devices, stdout/stderr to a log file. A thread per worker spawns it, waits for the
+exit and calls `on_change`, which the agent forwards to the controller. The pid reported is the
+guard's, which is also the process group's id.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class WorkerSupervisor:
         try:
             with open(log_path, "ab") as log:
                 process = subprocess.Popen(
-                    guarded(spec.argv),
+                    # A TMPDIR of its own, removed with it, unless its spec names one.
+                    guarded(spec.argv, private_tmp="TMPDIR" not in spec.env),
                     env=env,
                     cwd=spec.cwd or None,
                     stdin=subprocess.DEVNULL,

@@ -1,16 +1,20 @@
 """The guard of one process tree: the small parent that every worker of a node agent (and every
 child the job starts) runs under, so that nothing it started outlives it or its owner.
 
-    python -I -S worker_guard.py OWNER_PID COMMAND...
+    python -I -S worker_guard.py OWNER_PID [--private-tmp] COMMAND...
 
 The guard makes itself a child subreaper, asks the kernel for `KILL_TREE_SIGNAL` when its parent
 (OWNER_PID, the agent or the job) dies, and starts COMMAND as its child, in the guard's own process
 group (the guard is started with `start_new_session=True`, so the owner's group signals reach the
-worker and what it spawned). Then it waits:
+worker and what it spawned). With `--private-tmp` the worker's TMPDIR is a new directory of the
+guard's own TMPDIR, so what its libraries leave in the temp directory (vLLM's ZMQ sockets and
+`vllm_dist_*` stores, which a killed engine never unlinks) goes with the tree; torch's compile
+cache stays where it was (`TORCHINDUCTOR_CACHE_DIR`, unless set). Then it waits:
 
 - the worker exits: whatever is left of its tree is SIGKILLed (every descendant: the process
   group, and processes that left it with setsid(), which re-parent to the guard), reaped, then
-  the /dev/shm files it leaked are removed (`sweep_shm`), and the guard ends as the worker did:
+  the /dev/shm files it leaked and its private TMPDIR are removed (`sweep_shm`), and the guard
+  ends as the worker did:
   same exit code, or killed by the same signal (the owner reads a negative return code then);
 - its parent dies, or `KILL_TREE_SIGNAL` comes (the owner's stop grace ran out): the whole tree is
   SIGKILLed at once, reaped and swept, and the guard ends as the killed worker did;
@@ -26,11 +30,14 @@ the standard library only. Libra imports it for `guarded` and its constants.
 from __future__ import annotations
 
 import ctypes
+import getpass
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
+import tempfile
 import time
 from collections.abc import Collection, Sequence
 
@@ -40,6 +47,8 @@ KILL_TIMEOUT_S = 30.0
 """How long the guard keeps killing a tree that does not die (processes in uninterruptible sleep,
 or not ours to kill) before it gives up and ends; they re-parent to init then."""
 SHM_DIR = "/dev/shm"
+PRIVATE_TMP_FLAG = "--private-tmp"
+PRIVATE_TMP_PREFIX = "libra-worker-"
 OUR_SHM_FILE = re.compile(r"(psm_|sem\.mp-|vllm_|libra-w).*|.*-cpushm_\d+")
 """/dev/shm names our stack creates: multiprocessing.shared_memory segments (`psm_`, vLLM's
 message queues and caches among them) and semaphores (`sem.mp-`), vLLM's mmap regions
@@ -52,12 +61,14 @@ _PR_SET_CHILD_SUBREAPER = 36
 _WAITED = {signal.SIGCHLD, KILL_TREE_SIGNAL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
 
-def guarded(argv: Sequence[str]) -> list[str]:
-    """The command line that runs `argv` under a guard owned by this process. Start it with
+def guarded(argv: Sequence[str], private_tmp: bool = False) -> list[str]:
+    """The command line that runs `argv` under a guard owned by this process (`private_tmp`: in
+    a TMPDIR of its own, removed with the tree; not for a worker that changes its uid). Start it with
     `start_new_session=True` and no `preexec_fn` (a Python hook between fork and exec runs gRPC's
     fork handlers in a multi-threaded process and can abort it), from a thread that lives as
     long as the guard: the kernel ties the parent-death signal to the thread that forked."""
-    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), *argv]
+    flag = [PRIVATE_TMP_FLAG] if private_tmp else []
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), *flag, *argv]
 
 
 def shm_inodes(directory: str = SHM_DIR) -> set[int]:
@@ -192,14 +203,17 @@ class _Tree:
 
 def main(argv: list[str]) -> int:
     owner_pid, command = int(argv[1]), argv[2:]
+    wants_private_tmp = command[:1] == [PRIVATE_TMP_FLAG]
+    command = command[1:] if wants_private_tmp else command
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, KILL_TREE_SIGNAL)
     if os.getppid() != owner_pid:
         return 1  # the owner died before the signal was armed: start nothing
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    private_tmp = _make_private_tmp() if wants_private_tmp else None
     existing_shm = shm_inodes()
-    tree = _Tree(_spawn(command, mask, libc))
+    tree = _Tree(_spawn(command, mask, libc, _worker_env(private_tmp)))
     # Only the worker holds its stdin and stdout: a reader of its stdout (the sandbox pool) sees
     # the end when the worker dies, not when the guard is done cleaning up.
     null = os.open(os.devnull, os.O_RDWR)
@@ -210,6 +224,8 @@ def main(argv: list[str]) -> int:
             tree.kill()
     tree.kill()
     removed = sweep_shm(SHM_DIR, existing_shm)
+    if private_tmp is not None:
+        shutil.rmtree(private_tmp, ignore_errors=True)
     if tree.killed or removed:
         print(
             f"worker guard: SIGKILLed {sorted(tree.killed)}; removed from {SHM_DIR}: {removed}",
@@ -218,7 +234,37 @@ def main(argv: list[str]) -> int:
     return _end_like(tree.worker_status, libc)
 
 
-def _spawn(command: list[str], mask: set[signal.Signals], libc) -> int:
+def _make_private_tmp() -> str | None:
+    """A new directory of the guard's TMPDIR for the worker's; None (the worker shares the
+    guard's, as without the flag) if it cannot be made."""
+    try:
+        return tempfile.mkdtemp(prefix=PRIVATE_TMP_PREFIX)
+    except OSError as e:
+        print(
+            f"worker guard: no private TMPDIR ({e}); the worker uses {tempfile.gettempdir()}", file=sys.stderr
+        )
+        return None
+
+
+def _worker_env(private_tmp: str | None) -> dict[str, str]:
+    """The guard's environment, with the private TMPDIR if there is one. torch keys its compile
+    cache on the temp directory (`torchinductor_USER` in it): that stays where the guard's is, or
+    every worker would compile cold."""
+    env = dict(os.environ)
+    if private_tmp is not None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        user = re.sub(r'[\\/:*?"<>|]', "_", user)  # as torch names it
+        env.setdefault(
+            "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+        )
+        env["TMPDIR"] = private_tmp
+    return env
+
+
+def _spawn(command: list[str], mask: set[signal.Signals], libc, env: dict[str, str]) -> int:
     guard_pid = os.getpid()
     pid = os.fork()
     if pid:
@@ -231,7 +277,7 @@ def _spawn(command: list[str], mask: set[signal.Signals], libc) -> int:
         # A guard killed on its own takes the worker with it.
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() == guard_pid:
-            os.execvp(command[0], command)
+            os.execvpe(command[0], command, env)
     except BaseException as e:  # noqa: BLE001 - the child must never return into the guard
         os.write(2, f"worker guard: cannot start {command[0]!r}: {e}\n".encode())
     os._exit(127)

@@ -105,9 +105,10 @@ class JobCluster:
             *section_overrides("control", self.config.control, skip=("token", "port")),
             *section_overrides("backend", self.config.backend),
         ]
-        # Under a guard: a killed job leaves no agent, no worker and nothing they spawned behind.
+        # Under a guard: a killed job leaves no agent, no worker and nothing they spawned behind,
+        # in /dev/shm or in the temp directory (the agent's workers get theirs inside the agent's).
         self._agent_process = subprocess.Popen(
-            guarded(argv),
+            guarded(argv, private_tmp=True),
             start_new_session=True,
             env={**os.environ, "LIBRA_TOKEN": self.token},
             stdout=log,

@@ -1,10 +1,12 @@
 """The worker guard (`libra/control/worker_guard.py`): nothing a worker started outlives the
-worker, its node agent or the job, and the /dev/shm files the tree leaked go with it.
+worker, its node agent or the job, and the /dev/shm files the tree leaked and its private temp
+directory go with it.
 
 The tree tests start a worker that starts two children, one in the worker's process group and
-one in a session of its own (setsid()), each holding a fresh `/dev/shm/psm_*` file mapped; then
-they end the worker or its owner in different ways and poll (up to 15 s) until every process of
-the tree is gone and the files are removed.
+one in a session of its own (setsid()), each holding a fresh `/dev/shm/psm_*` file mapped, and
+that binds a Unix socket in its temp directory (as vLLM's ZMQ does, and never unlinks when
+killed); then they end the worker or its owner in different ways and poll (up to 15 s) until
+every process of the tree is gone and the files are removed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import psutil
 import pytest
 
 from libra.control import WorkerRole, WorkerSpec, WorkerState
-from libra.control.worker_guard import shm_inodes, sweep_shm
+from libra.control.worker_guard import PRIVATE_TMP_PREFIX, shm_inodes, sweep_shm
 from tests.control.helpers import wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -53,14 +55,25 @@ class Tree:
 
     pids: list[int]
     shm_paths: list[str]
+    tmp_dir: str
+    """The worker's temp directory, private to it (a socket bound in it)."""
+
+    @property
+    def files(self) -> list[str]:
+        """What must go with the tree."""
+        return [*self.shm_paths, self.tmp_dir]
 
 
 def tree_worker(out_dir: Path, then: str) -> str:
     """Code of a worker that starts the two children, records the tree in `out_dir`, then runs
     `then` (one line)."""
     return textwrap.dedent(f"""
-        import os, subprocess, sys, time
+        import os, socket, subprocess, sys, tempfile, time
         out = {str(out_dir)!r}
+        held_socket = socket.socket(socket.AF_UNIX)
+        held_socket.bind(os.path.join(tempfile.gettempdir(), 'ipc-socket'))
+        with open(os.path.join(out, 'tmpdir'), 'w') as f:
+            f.write(tempfile.gettempdir())
         hold = [sys.executable, '-c', {HOLD!r}]
         subprocess.Popen([*hold, os.path.join(out, 'child')])
         subprocess.Popen([*hold, os.path.join(out, 'setsid')], start_new_session=True)
@@ -80,20 +93,23 @@ def read_tree(out_dir: Path) -> Tree:
         pid, path = (out_dir / name).read_text().split()
         pids.append(int(pid))
         shm_paths.append(path)
-    assert all(_alive(pid) for pid in pids) and all(os.path.exists(p) for p in shm_paths)
-    return Tree(pids, shm_paths)
+    tree = Tree(pids, shm_paths, (out_dir / "tmpdir").read_text())
+    assert all(_alive(pid) for pid in pids) and all(os.path.exists(p) for p in tree.files)
+    # Private: a directory of its owner's temp directory, made for it.
+    assert Path(tree.tmp_dir).name.startswith(PRIVATE_TMP_PREFIX)
+    return tree
 
 
-def assert_gone(pids: list[int], shm_paths: list[str]) -> None:
+def assert_gone(pids: list[int], files: list[str]) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while True:
         alive = [pid for pid in pids if _alive(pid)]
-        left = [path for path in shm_paths if os.path.exists(path)]
+        left = [path for path in files if os.path.exists(path)]
         if not alive and not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert alive == [], f"processes outlived their owner: {alive}"
-    assert left == [], f"/dev/shm files left behind: {left}"
+    assert left == [], f"files left behind: {left}"
 
 
 def _alive(pid: int) -> bool:
@@ -117,7 +133,7 @@ def test_a_killed_agent_takes_its_workers_whole_trees_and_shm_files(client, spaw
     started = client.start_worker(agent.agent_id, _spec("tree", tree_worker(tmp_path, "time.sleep(120)")))
     tree = read_tree(tmp_path)
     agent.kill()
-    assert_gone([started.pid, *tree.pids], tree.shm_paths)
+    assert_gone([started.pid, *tree.pids], tree.files)
 
 
 def test_a_worker_that_exits_leaves_nothing_behind(client, spawn_agent, tmp_path):
@@ -128,7 +144,7 @@ def test_a_worker_that_exits_leaves_nothing_behind(client, spawn_agent, tmp_path
     (tmp_path / "go").touch()
     exited = wait_for(lambda: _ended(client, "leaver"), timeout_s=DEADLINE_S, what="the worker's exit")
     assert exited.state == WorkerState.EXITED and exited.exit_code == 0
-    assert_gone(tree.pids, tree.shm_paths)
+    assert_gone(tree.pids, tree.files)
 
 
 def test_a_stop_past_its_grace_kills_the_whole_tree(client, spawn_agent, tmp_path):
@@ -140,7 +156,7 @@ def test_a_stop_past_its_grace_kills_the_whole_tree(client, spawn_agent, tmp_pat
     tree = read_tree(tmp_path)
     stopped = client.stop_worker("stubborn", grace_s=1.0)
     assert stopped.state == WorkerState.STOPPED and stopped.exit_code == -signal.SIGKILL
-    assert_gone(tree.pids, tree.shm_paths)
+    assert_gone(tree.pids, tree.files)
 
 
 def test_a_worker_killed_by_a_signal_reports_it_negative(client, spawn_agent):
@@ -149,6 +165,31 @@ def test_a_worker_killed_by_a_signal_reports_it_negative(client, spawn_agent):
     client.start_worker(agent.agent_id, _spec("aborter", code))
     ended = wait_for(lambda: _ended(client, "aborter"), timeout_s=DEADLINE_S, what="the worker's end")
     assert ended.state == WorkerState.EXITED and ended.exit_code == -signal.SIGABRT
+
+
+def test_a_private_temp_directory_keeps_torchs_compile_cache_and_yields_to_a_spec_that_names_one(
+    client, spawn_agent, tmp_path
+):
+    """The private TMPDIR leaves torch's compile cache where the owner's temp directory has it
+    (a worker must not compile cold); a spec that sets TMPDIR gets that one, kept after it."""
+    agent = spawn_agent()
+    record = textwrap.dedent(f"""
+        import os, tempfile
+        with open({str(tmp_path / "seen")!r}, 'w') as f:
+            f.write(tempfile.gettempdir() + '\\n' + os.environ.get('TORCHINDUCTOR_CACHE_DIR', ''))
+    """)
+    client.start_worker(agent.agent_id, _spec("private", record))
+    wait_for(lambda: _ended(client, "private"), timeout_s=DEADLINE_S, what="the worker's end")
+    private, cache = (tmp_path / "seen").read_text().split("\n")
+    assert Path(private).name.startswith(PRIVATE_TMP_PREFIX) and not os.path.exists(private)
+    assert Path(cache).parent == Path(private).parent and Path(cache).name.startswith("torchinductor_")
+
+    own = tmp_path / "own-tmp"
+    own.mkdir()
+    spec = WorkerSpec("own", WorkerRole.GENERIC, (0,), (sys.executable, "-c", record), {"TMPDIR": str(own)})
+    client.start_worker(agent.agent_id, spec)
+    wait_for(lambda: _ended(client, "own"), timeout_s=DEADLINE_S, what="the worker's end")
+    assert (tmp_path / "seen").read_text().split("\n")[0] == str(own) and own.is_dir()
 
 
 JOB = textwrap.dedent("""
@@ -183,7 +224,7 @@ def test_a_killed_job_takes_its_agent_and_every_worker_tree(tmp_path):
         agent_tree = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
         job.kill()
         job.wait()
-        assert_gone([*agent_tree, *tree.pids], tree.shm_paths)
+        assert_gone([*agent_tree, *tree.pids], tree.files)
     finally:
         job.kill()
 
