@@ -118,6 +118,12 @@ class Trajectory:
         return turns
 
     @property
+    def last_turn_end(self) -> int:
+        """Response tokens up to the model's last sampled one (0 before its first turn): what
+        follows (tool returns, template tokens) is not yet in any instance's KV."""
+        return next((i + 1 for i in range(len(self.loss_mask) - 1, -1, -1) if self.loss_mask[i]), 0)
+
+    @property
     def num_generated_tokens(self) -> int:
         return sum(self.loss_mask)
 

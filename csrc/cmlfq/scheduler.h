@@ -31,7 +31,7 @@ class Scheduler {
 
   Decision admit(const TrajectoryId& trajectory, const std::string& prompt);
   // generated_tokens: output tokens the policy has generated so far (tool tokens excluded).
-  // context_tokens: the tokens a move would re-prefill (prompt, turns and tool returns so far).
+  // context_tokens: the tokens a move would re-prefill (prompt, turns and tool returns up to its last turn).
   Decision on_tool_return(const TrajectoryId& trajectory, StateKey state, int64_t generated_tokens,
                           int64_t context_tokens = 0);
   void on_finish(const TrajectoryId& trajectory, int64_t total_output_tokens);

@@ -228,8 +228,9 @@ class AgentLoop:
 
     def on_tool_return(self, trajectory: Trajectory, state: ToolReturnState) -> int | None:
         """Tells the router that `trajectory`'s tool call returned (its return appended); the
-        instance of its next turn."""
-        context = len(trajectory.prompt_token_ids) + len(trajectory.response_token_ids)
+        instance of its next turn. The context it is told is what its instance holds: the return
+        is prefilled wherever the next turn runs, so a move re-prefills only the rest."""
+        context = len(trajectory.prompt_token_ids) + trajectory.last_turn_end
         decision = self.router.on_tool_return(
             trajectory.trajectory_id, state, trajectory.num_generated_tokens, context
         )

@@ -93,9 +93,10 @@ class Router(Protocol):
         self, trajectory_id: str, state: ToolReturnState, generated_tokens: int, context_tokens: int = 0
     ) -> Decision:
         """After each tool call: `state` is the tool's return, `generated_tokens` the output tokens
-        the trajectory has generated so far, `context_tokens` its whole context now (prompt,
-        turns and tool returns: what a move to another instance re-prefills; 0 if unknown, which
-        prices a move as free). Says where the next turn runs."""
+        the trajectory has generated so far, `context_tokens` its context up to the end of its
+        last turn (prompt, turns and earlier tool returns: what its instance holds, and what a
+        move to another re-prefills beyond the return itself, which either prefills; 0 if
+        unknown, which prices a move as free). Says where the next turn runs."""
         ...
 
     def on_finish(self, trajectory_id: str, total_output_tokens: int) -> None:

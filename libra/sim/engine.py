@@ -420,12 +420,13 @@ class RolloutCluster:
         if traj.key not in self.live:  # aborted while the tool ran
             return
         turn = traj.trace.turns[traj.turn]
+        held = traj.context  # what its instance holds; the return is prefilled wherever it goes
         traj.context += turn.payload_tokens
         traj.turn += 1
         state = ToolReturnState.of(turn.tool, turn.status, turn.payload_tokens, self.cmlfq_config)
         if traj.instance is None:  # displaced while the tool ran; the router places it again
             self.unplaced.discard(traj.key)
-        decision = self.router.on_tool_return(traj.trajectory_id, state, traj.generated, round(traj.context))
+        decision = self.router.on_tool_return(traj.trajectory_id, state, traj.generated, round(held))
         self._follow(traj, decision)
 
     # Accounting.

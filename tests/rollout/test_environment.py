@@ -357,11 +357,12 @@ def test_the_environment_answers_each_turn_with_a_user_turn_and_the_router_hears
         (name, ToolStatus.SUCCESS, len(turns[0])),
         (name, ToolStatus.SUCCESS, len(turns[0]) + len(turns[1])),
     ]
-    # Each with the whole context so far, the observation just appended included.
+    # Each with the context its instance holds: up to the turn's end, not the observation just
+    # appended (prefilled wherever the next turn runs).
     prompt = len(trajectory.prompt_token_ids)
     assert router.contexts == [
-        prompt + len(turns[0]) + len(observations[0]),
-        prompt + len(turns[0]) + len(observations[0]) + len(turns[1]) + len(observations[1]),
+        prompt + len(turns[0]),
+        prompt + len(turns[0]) + len(observations[0]) + len(turns[1]),
     ]
     assert router.finished == {"t": trajectory.num_generated_tokens}
     assert trajectory.num_turns == 3 and len(episode.step_seconds) == 3

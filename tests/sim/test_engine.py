@@ -329,6 +329,23 @@ def test_bucket_update_moves_a_running_turn_and_keeps_its_tokens():
     assert [t.trajectory_id for t in done] == ["a"] and cluster.num_migrations == 1
 
 
+def test_the_router_is_told_the_context_its_instance_holds():
+    """At a tool return the router hears the context up to the turn's end (what a move would
+    re-prefill beyond the return, which is prefilled wherever the next turn runs)."""
+    cluster, _ = make_cluster()
+    told = []
+    on_tool_return = cluster.router.on_tool_return
+
+    def spy(trajectory_id, state, generated_tokens, context_tokens=0):
+        told.append((generated_tokens, context_tokens))
+        return on_tool_return(trajectory_id, state, generated_tokens, context_tokens)
+
+    cluster.router.on_tool_return = spy
+    cluster.start(trace("a", [100, 50, 30], prompt=10, payload=20, tool_latency=0.5))
+    cluster.run_until(lambda: False)
+    assert told == [(100, 10 + 100), (150, 10 + 100 + 20 + 50)]
+
+
 def _migrating_cluster(migration: str, second_devices: tuple[int, ...], bandwidth: float = 0.0):
     """`migrating_cluster` running one trajectory whose second turn migrates to i1."""
     config = tiny_config()
