@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 from libra.backends import Backend, BackendConfig, get_backend
-from libra.control.worker_guard import guarded
+from libra.control.worker_guard import end_guarded, guarded
 from libra.rollout.client import InstanceClient
 from libra.rollout.config import InstanceConfig
 from libra.rollout.instance_server import InstanceSpec
@@ -85,12 +84,7 @@ class CheckInstance:
     def stop(self) -> None:
         if self._process is None or self._process.poll() is not None:
             return
-        os.killpg(self._process.pid, signal.SIGTERM)
-        try:
-            self._process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._process.pid, signal.SIGKILL)
-            self._process.wait()
+        end_guarded(self._process, grace_s=30.0)
 
     def __enter__(self) -> CheckInstance:
         return self.start()

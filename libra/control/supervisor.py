@@ -27,7 +27,7 @@ from libra.backends.base import Backend
 from libra.control.auth import TOKEN_ENV
 from libra.control.convert import InvalidArgument
 from libra.control.types import WorkerSpec, WorkerState, WorkerStatus
-from libra.control.worker_guard import KILL_TIMEOUT_S, KILL_TREE_SIGNAL, guarded
+from libra.control.worker_guard import end_guarded, guarded, signal_group
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class WorkerSupervisor:
         returncode = process.wait()
         # The worker's devices count as free once it ended. Its guard killed what the worker left,
         # unless the guard itself was SIGKILLed: then the rest of its group must not keep running.
-        _signal_group(process, signal.SIGKILL)
+        signal_group(process, signal.SIGKILL)
         with self._lock:  # start() holds the lock until it has recorded the worker
             worker = self._workers[spec.worker_id]
             worker.status.state = WorkerState.STOPPED if worker.stop_requested else WorkerState.EXITED
@@ -144,17 +144,7 @@ class WorkerSupervisor:
             if worker.status.state.ended:
                 return dataclasses.replace(worker.status)
             worker.stop_requested = True
-        grace_s = grace_s or DEFAULT_STOP_GRACE_S
-        _signal_group(worker.process, signal.SIGTERM)
-        try:
-            worker.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            worker.process.send_signal(KILL_TREE_SIGNAL)
-            try:
-                worker.process.wait(timeout=KILL_TIMEOUT_S + 5.0)
-            except subprocess.TimeoutExpired:
-                _signal_group(worker.process, signal.SIGKILL)
-                worker.process.wait()
+        end_guarded(worker.process, grace_s or DEFAULT_STOP_GRACE_S)
         # The reaper records the final state; wait for it so the caller sees STOPPED.
         deadline = time.monotonic() + 5.0
         while not worker.status.state.ended and time.monotonic() < deadline:
@@ -191,10 +181,3 @@ def _check_command(argv0: str, env: dict[str, str], cwd: str) -> None:
         found = shutil.which(argv0, path=env.get("PATH", os.defpath)) is not None
     if not found:
         raise InvalidArgument(f"spec.argv cannot be started: no executable {argv0!r}")
-
-
-def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass  # already gone

@@ -9,7 +9,9 @@ group (the guard is started with `start_new_session=True`, so the owner's group 
 worker and what it spawned). With `--private-tmp` the worker's TMPDIR is a new directory of the
 guard's own TMPDIR, so what its libraries leave in the temp directory (vLLM's ZMQ sockets and
 `vllm_dist_*` stores, which a killed engine never unlinks) goes with the tree; torch's compile
-cache stays where it was (`TORCHINDUCTOR_CACHE_DIR`, unless set). Then it waits:
+cache stays where it was (`TORCHINDUCTOR_CACHE_DIR`, unless set); vLLM's model-loading file
+locks, kept in the temp directory, are then per worker (Libra's instances load safetensors, which
+take no lock). Then it waits:
 
 - the worker exits: whatever is left of its tree is SIGKILLed (every descendant: the process
   group, and processes that left it with setsid(), which re-parent to the guard), reaped, then
@@ -48,7 +50,9 @@ KILL_TIMEOUT_S = 30.0
 or not ours to kill) before it gives up and ends; they re-parent to init then."""
 SHM_DIR = "/dev/shm"
 PRIVATE_TMP_FLAG = "--private-tmp"
-PRIVATE_TMP_PREFIX = "libra-worker-"
+PRIVATE_TMP_PREFIX = "libra-"
+"""Short: vLLM binds Unix sockets in the directory (a 36-character name), a socket's path is
+limited to 107 bytes, and a worker's directory sits in its agent's."""
 OUR_SHM_FILE = re.compile(r"(psm_|sem\.mp-|vllm_|libra-w).*|.*-cpushm_\d+")
 """/dev/shm names our stack creates: multiprocessing.shared_memory segments (`psm_`, vLLM's
 message queues and caches among them) and semaphores (`sem.mp-`), vLLM's mmap regions
@@ -69,6 +73,36 @@ def guarded(argv: Sequence[str], private_tmp: bool = False) -> list[str]:
     long as the guard: the kernel ties the parent-death signal to the thread that forked."""
     flag = [PRIVATE_TMP_FLAG] if private_tmp else []
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), *flag, *argv]
+
+
+def signal_group(process, sig: signal.Signals) -> None:
+    """`sig` to the process group a guard (`process`, a Popen) leads; nothing if it is gone."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def end_guarded(process, grace_s: float) -> None:
+    """Ends a guarded tree from its owner (`process`: the guard's Popen): SIGTERM to its group
+    (the worker's own shutdown); after `grace_s`, `KILL_TREE_SIGNAL` to the guard, which kills
+    the whole tree (the group alone would miss what left it with setsid()) and removes what it
+    leaked, which a SIGKILLed guard could not; SIGKILL to the group only should the guard not
+    end. Returns once the guard ended."""
+    import subprocess  # only owners call this; the guard itself starts without it
+
+    if process.poll() is None:
+        signal_group(process, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+        return
+    except subprocess.TimeoutExpired:
+        process.send_signal(KILL_TREE_SIGNAL)
+    try:
+        process.wait(timeout=KILL_TIMEOUT_S + 5.0)
+    except subprocess.TimeoutExpired:
+        signal_group(process, signal.SIGKILL)
+        process.wait()
 
 
 def shm_inodes(directory: str = SHM_DIR) -> set[int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller
 from libra.control.types import AgentState
-from libra.control.worker_guard import guarded
+from libra.control.worker_guard import end_guarded, guarded
 from libra.planner.device_map import DeviceMap
 from libra.planner.planner import Planner
 from libra.planner.service import serve_planner
@@ -171,12 +170,7 @@ class JobCluster:
         if self._client is not None:
             self._client.close()
         if self._agent_process is not None:
-            if self._agent_process.poll() is None:
-                # To the group: the agent, not its guard, stops its workers.
-                os.killpg(self._agent_process.pid, signal.SIGTERM)
-            try:
-                self._agent_process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._agent_process.kill()
+            # The agent stops its workers on SIGTERM; past the grace its guard kills the tree.
+            end_guarded(self._agent_process, grace_s=30.0)
         if self.controller is not None:
             self.controller.stop()

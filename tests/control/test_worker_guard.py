@@ -168,10 +168,11 @@ def test_a_worker_killed_by_a_signal_reports_it_negative(client, spawn_agent):
 
 
 def test_a_private_temp_directory_keeps_torchs_compile_cache_and_yields_to_a_spec_that_names_one(
-    client, spawn_agent, tmp_path
+    client, spawn_agent, tmp_path, monkeypatch
 ):
     """The private TMPDIR leaves torch's compile cache where the owner's temp directory has it
     (a worker must not compile cold); a spec that sets TMPDIR gets that one, kept after it."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # the agent inherits ours
     agent = spawn_agent()
     record = textwrap.dedent(f"""
         import os, tempfile
@@ -221,10 +222,13 @@ def test_a_killed_job_takes_its_agent_and_every_worker_tree(tmp_path):
     )
     try:
         tree = read_tree(out_dir)
+        # The job's agent has a private directory too, and the worker's is inside it.
+        agent_tmp = str(Path(tree.tmp_dir).parent)
+        assert Path(agent_tmp).name.startswith(PRIVATE_TMP_PREFIX)
         agent_tree = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
         job.kill()
         job.wait()
-        assert_gone([*agent_tree, *tree.pids], tree.files)
+        assert_gone([*agent_tree, *tree.pids], [*tree.files, agent_tmp])
     finally:
         job.kill()
 
