@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from libra.backends import Backend, BackendConfig, get_backend
-from libra.control.worker_guard import end_guarded, guarded
+from libra.control.worker_guard import end_guarded, guarded, make_private_tmp
 from libra.rollout.client import InstanceClient
 from libra.rollout.config import InstanceConfig
 from libra.rollout.instance_server import InstanceSpec
@@ -48,6 +49,8 @@ class CheckInstance:
         self.log_path = workdir / f"{name}.log"
         self.address = ""
         self._process: subprocess.Popen | None = None
+        self._tmp: str | None = None
+        """The instance's TMPDIR, removed by its guard, or by `stop` if the guard could not."""
 
     def start(self) -> CheckInstance:
         spec = InstanceSpec(self.config, backend=self.backend, address_file=str(self.address_file))
@@ -56,11 +59,12 @@ class CheckInstance:
             **get_backend(self.backend.name, **self.backend.options()).worker_env([0]),
             "LIBRA_TOKEN": self.token,
         }
+        self._tmp = make_private_tmp()
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
                 # Under a worker guard: the instance dies with the check, even a SIGKILLed one,
                 # and its temp files with it.
-                guarded(spec.to_argv(), private_tmp=True),
+                guarded(spec.to_argv(), self._tmp),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -82,9 +86,11 @@ class CheckInstance:
         return InstanceClient(self.address, self.token)
 
     def stop(self) -> None:
-        if self._process is None or self._process.poll() is not None:
-            return
-        end_guarded(self._process, grace_s=30.0)
+        if self._process is not None and self._process.poll() is None:
+            end_guarded(self._process, grace_s=30.0)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def __enter__(self) -> CheckInstance:
         return self.start()

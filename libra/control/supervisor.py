@@ -27,7 +27,7 @@ from libra.backends.base import Backend
 from libra.control.auth import TOKEN_ENV
 from libra.control.convert import InvalidArgument
 from libra.control.types import WorkerSpec, WorkerState, WorkerStatus
-from libra.control.worker_guard import end_guarded, guarded, signal_group
+from libra.control.worker_guard import end_guarded, guarded, make_private_tmp, signal_group
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +104,12 @@ class WorkerSupervisor:
         """Spawns the worker's guard and waits for it, in a thread that lives exactly as long as
         the guard: the kernel's parent-death signal is tied to the spawning thread, so a worker is
         killed when its agent dies (its work has been handed back by then) but not before."""
+        # A TMPDIR of its own, removed with it, unless its spec names one.
+        private_tmp = make_private_tmp() if "TMPDIR" not in spec.env else None
         try:
             with open(log_path, "ab") as log:
                 process = subprocess.Popen(
-                    # A TMPDIR of its own, removed with it, unless its spec names one.
-                    guarded(spec.argv, private_tmp="TMPDIR" not in spec.env),
+                    guarded(spec.argv, private_tmp),
                     env=env,
                     cwd=spec.cwd or None,
                     stdin=subprocess.DEVNULL,
@@ -117,13 +118,16 @@ class WorkerSupervisor:
                     start_new_session=True,
                 )
         except Exception as e:  # whatever it is, start() waits for it while holding the lock
+            _remove(private_tmp)
             spawned.set_exception(e)
             return
         spawned.set_result(process)
         returncode = process.wait()
-        # The worker's devices count as free once it ended. Its guard killed what the worker left,
-        # unless the guard itself was SIGKILLed: then the rest of its group must not keep running.
+        # The worker's devices count as free once it ended. Its guard killed what the worker left
+        # and removed its TMPDIR, unless the guard itself was SIGKILLed: then the rest of its
+        # group must not keep running, and the directory is ours to remove.
         signal_group(process, signal.SIGKILL)
+        _remove(private_tmp)
         with self._lock:  # start() holds the lock until it has recorded the worker
             worker = self._workers[spec.worker_id]
             worker.status.state = WorkerState.STOPPED if worker.stop_requested else WorkerState.EXITED
@@ -163,6 +167,11 @@ class WorkerSupervisor:
     def stop_all(self, grace_s: float = 2.0) -> None:
         for worker_id in self.running_ids():
             self.stop(worker_id, grace_s)
+
+
+def _remove(private_tmp: str | None) -> None:
+    if private_tmp is not None:
+        shutil.rmtree(private_tmp, ignore_errors=True)
 
 
 def _inherited_environment() -> dict[str, str]:

@@ -1,14 +1,16 @@
 """The guard of one process tree: the small parent that every worker of a node agent (and every
 child the job starts) runs under, so that nothing it started outlives it or its owner.
 
-    python -I -S worker_guard.py OWNER_PID [--private-tmp] COMMAND...
+    python -I -S worker_guard.py OWNER_PID [--private-tmp=DIR] COMMAND...
 
 The guard makes itself a child subreaper, asks the kernel for `KILL_TREE_SIGNAL` when its parent
 (OWNER_PID, the agent or the job) dies, and starts COMMAND as its child, in the guard's own process
 group (the guard is started with `start_new_session=True`, so the owner's group signals reach the
-worker and what it spawned). With `--private-tmp` the worker's TMPDIR is a new directory of the
-guard's own TMPDIR, so what its libraries leave in the temp directory (vLLM's ZMQ sockets and
-`vllm_dist_*` stores, which a killed engine never unlinks) goes with the tree; torch's compile
+worker and what it spawned). With `--private-tmp=DIR` (a directory its owner made for it,
+`make_private_tmp`) the worker's TMPDIR is DIR, so what its libraries leave in the temp directory
+(vLLM's ZMQ sockets and `vllm_dist_*` stores, which a killed engine never unlinks) goes with the
+tree: the guard removes DIR, and so does the owner once the guard ended, should it have been
+SIGKILLed with its worker (a whole process group killed at once); torch's compile
 cache stays where it was (`TORCHINDUCTOR_CACHE_DIR`, unless set); vLLM's model-loading file
 locks, kept in the temp directory, are then per worker (Libra's instances load safetensors, which
 take no lock). Then it waits:
@@ -49,7 +51,7 @@ KILL_TIMEOUT_S = 30.0
 """How long the guard keeps killing a tree that does not die (processes in uninterruptible sleep,
 or not ours to kill) before it gives up and ends; they re-parent to init then."""
 SHM_DIR = "/dev/shm"
-PRIVATE_TMP_FLAG = "--private-tmp"
+PRIVATE_TMP_FLAG = "--private-tmp="
 PRIVATE_TMP_PREFIX = "libra-"
 """Short: vLLM binds Unix sockets in the directory (a 36-character name), a socket's path is
 limited to 107 bytes, and a worker's directory sits in its agent's."""
@@ -65,13 +67,20 @@ _PR_SET_CHILD_SUBREAPER = 36
 _WAITED = {signal.SIGCHLD, KILL_TREE_SIGNAL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
 
-def guarded(argv: Sequence[str], private_tmp: bool = False) -> list[str]:
-    """The command line that runs `argv` under a guard owned by this process (`private_tmp`: in
-    a TMPDIR of its own, removed with the tree; not for a worker that changes its uid). Start it with
+def make_private_tmp() -> str:
+    """A new directory of this process's TMPDIR, for one guarded worker's (`guarded`); remove it
+    (`shutil.rmtree`) once the guard ended."""
+    return tempfile.mkdtemp(prefix=PRIVATE_TMP_PREFIX)
+
+
+def guarded(argv: Sequence[str], private_tmp: str | None = None) -> list[str]:
+    """The command line that runs `argv` under a guard owned by this process (`private_tmp`: a
+    `make_private_tmp` directory for its TMPDIR, removed with the tree; not for a worker that
+    changes its uid). Start it with
     `start_new_session=True` and no `preexec_fn` (a Python hook between fork and exec runs gRPC's
     fork handlers in a multi-threaded process and can abort it), from a thread that lives as
     long as the guard: the kernel ties the parent-death signal to the thread that forked."""
-    flag = [PRIVATE_TMP_FLAG] if private_tmp else []
+    flag = [PRIVATE_TMP_FLAG + private_tmp] if private_tmp else []
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), *flag, *argv]
 
 
@@ -237,15 +246,17 @@ class _Tree:
 
 def main(argv: list[str]) -> int:
     owner_pid, command = int(argv[1]), argv[2:]
-    wants_private_tmp = command[:1] == [PRIVATE_TMP_FLAG]
-    command = command[1:] if wants_private_tmp else command
+    private_tmp = None
+    if command and command[0].startswith(PRIVATE_TMP_FLAG):
+        private_tmp, command = command[0][len(PRIVATE_TMP_FLAG) :], command[1:]
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, KILL_TREE_SIGNAL)
-    if os.getppid() != owner_pid:
-        return 1  # the owner died before the signal was armed: start nothing
+    if os.getppid() != owner_pid:  # the owner died before the signal was armed: start nothing
+        if private_tmp is not None:
+            shutil.rmtree(private_tmp, ignore_errors=True)
+        return 1
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    private_tmp = _make_private_tmp() if wants_private_tmp else None
     existing_shm = shm_inodes()
     tree = _Tree(_spawn(command, mask, libc, _worker_env(private_tmp)))
     # Only the worker holds its stdin and stdout: a reader of its stdout (the sandbox pool) sees
@@ -266,18 +277,6 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     return _end_like(tree.worker_status, libc)
-
-
-def _make_private_tmp() -> str | None:
-    """A new directory of the guard's TMPDIR for the worker's; None (the worker shares the
-    guard's, as without the flag) if it cannot be made."""
-    try:
-        return tempfile.mkdtemp(prefix=PRIVATE_TMP_PREFIX)
-    except OSError as e:
-        print(
-            f"worker guard: no private TMPDIR ({e}); the worker uses {tempfile.gettempdir()}", file=sys.stderr
-        )
-        return None
 
 
 def _worker_env(private_tmp: str | None) -> dict[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller
 from libra.control.types import AgentState
-from libra.control.worker_guard import end_guarded, guarded
+from libra.control.worker_guard import end_guarded, guarded, make_private_tmp
 from libra.planner.device_map import DeviceMap
 from libra.planner.planner import Planner
 from libra.planner.service import serve_planner
@@ -58,6 +59,7 @@ class JobCluster:
         self.planner: Planner | None = None
         """The global planner, when the cluster was started with a planning problem."""
         self._agent_process: subprocess.Popen | None = None
+        self._agent_tmp: str | None = None
         self._client: ClusterClient | None = None
         self._free: list[tuple[str, list[int]]] = []
 
@@ -106,8 +108,9 @@ class JobCluster:
         ]
         # Under a guard: a killed job leaves no agent, no worker and nothing they spawned behind,
         # in /dev/shm or in the temp directory (the agent's workers get theirs inside the agent's).
+        self._agent_tmp = make_private_tmp()
         self._agent_process = subprocess.Popen(
-            guarded(argv, private_tmp=True),
+            guarded(argv, self._agent_tmp),
             start_new_session=True,
             env={**os.environ, "LIBRA_TOKEN": self.token},
             stdout=log,
@@ -172,5 +175,6 @@ class JobCluster:
         if self._agent_process is not None:
             # The agent stops its workers on SIGTERM; past the grace its guard kills the tree.
             end_guarded(self._agent_process, grace_s=30.0)
+            shutil.rmtree(self._agent_tmp, ignore_errors=True)  # if its guard was killed outright
         if self.controller is not None:
             self.controller.stop()

@@ -193,6 +193,32 @@ def test_a_private_temp_directory_keeps_torchs_compile_cache_and_yields_to_a_spe
     assert (tmp_path / "seen").read_text().split("\n")[0] == str(own) and own.is_dir()
 
 
+def test_a_guard_killed_with_its_worker_has_the_worker_temp_directory_removed_by_its_agent(
+    client, spawn_agent, tmp_path
+):
+    """A whole process group SIGKILLed at once, the guard with it, which then cannot clean up:
+    the agent, which made the worker's temp directory, removes it once the guard ended."""
+    agent = spawn_agent()
+    seen, part = tmp_path / "tmp", tmp_path / "tmp.part"
+    code = textwrap.dedent(f"""
+        import os, socket, tempfile, time
+        held = socket.socket(socket.AF_UNIX)
+        held.bind(os.path.join(tempfile.gettempdir(), 'ipc-socket'))
+        with open({str(part)!r}, 'w') as f:
+            f.write(tempfile.gettempdir())
+        os.rename({str(part)!r}, {str(seen)!r})
+        time.sleep(120)
+    """)
+    started = client.start_worker(agent.agent_id, _spec("group-killed", code))
+    wait_for(seen.exists, timeout_s=STARTUP_S, what="the worker's temp directory")
+    private = seen.read_text()
+    assert Path(private).name.startswith(PRIVATE_TMP_PREFIX) and os.path.isdir(private)
+    os.killpg(started.pid, signal.SIGKILL)  # the guard leads the group
+    ended = wait_for(lambda: _ended(client, "group-killed"), timeout_s=DEADLINE_S, what="the worker's end")
+    assert ended.exit_code == -signal.SIGKILL
+    assert_gone([], [private])
+
+
 JOB = textwrap.dedent("""
     import sys, time
     from pathlib import Path
