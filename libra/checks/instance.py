@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from libra.backends import Backend, BackendConfig, get_backend
-from libra.control.worker_guard import end_guarded, guarded, make_private_tmp
+from libra.control.worker_guard import end_guarded, guarded, make_private_tmp, remove_private_tmp
 from libra.rollout.client import InstanceClient
 from libra.rollout.config import InstanceConfig
 from libra.rollout.instance_server import InstanceSpec
@@ -88,9 +87,8 @@ class CheckInstance:
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             end_guarded(self._process, grace_s=30.0)
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+        remove_private_tmp(self._tmp)  # if its guard was killed outright
+        self._tmp = None
 
     def __enter__(self) -> CheckInstance:
         return self.start()

@@ -27,7 +27,13 @@ from libra.backends.base import Backend
 from libra.control.auth import TOKEN_ENV
 from libra.control.convert import InvalidArgument
 from libra.control.types import WorkerSpec, WorkerState, WorkerStatus
-from libra.control.worker_guard import end_guarded, guarded, make_private_tmp, signal_group
+from libra.control.worker_guard import (
+    end_guarded,
+    guarded,
+    make_private_tmp,
+    remove_private_tmp,
+    signal_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +124,7 @@ class WorkerSupervisor:
                     start_new_session=True,
                 )
         except Exception as e:  # whatever it is, start() waits for it while holding the lock
-            _remove(private_tmp)
+            remove_private_tmp(private_tmp)
             spawned.set_exception(e)
             return
         spawned.set_result(process)
@@ -127,7 +133,7 @@ class WorkerSupervisor:
         # and removed its TMPDIR, unless the guard itself was SIGKILLed: then the rest of its
         # group must not keep running, and the directory is ours to remove.
         signal_group(process, signal.SIGKILL)
-        _remove(private_tmp)
+        remove_private_tmp(private_tmp)
         with self._lock:  # start() holds the lock until it has recorded the worker
             worker = self._workers[spec.worker_id]
             worker.status.state = WorkerState.STOPPED if worker.stop_requested else WorkerState.EXITED
@@ -167,11 +173,6 @@ class WorkerSupervisor:
     def stop_all(self, grace_s: float = 2.0) -> None:
         for worker_id in self.running_ids():
             self.stop(worker_id, grace_s)
-
-
-def _remove(private_tmp: str | None) -> None:
-    if private_tmp is not None:
-        shutil.rmtree(private_tmp, ignore_errors=True)
 
 
 def _inherited_environment() -> dict[str, str]:

@@ -69,8 +69,16 @@ _WAITED = {signal.SIGCHLD, KILL_TREE_SIGNAL, signal.SIGTERM, signal.SIGINT, sign
 
 def make_private_tmp() -> str:
     """A new directory of this process's TMPDIR, for one guarded worker's (`guarded`); remove it
-    (`shutil.rmtree`) once the guard ended."""
+    (`remove_private_tmp`) once the guard ended."""
     return tempfile.mkdtemp(prefix=PRIVATE_TMP_PREFIX)
+
+
+def remove_private_tmp(private_tmp: str | None) -> None:
+    """Removes a `make_private_tmp` directory (nothing for None, or one already gone). A guard
+    that ends normally removes its own; its owner removes it too once the guard ended, for a
+    guard SIGKILLed outright (a whole process group killed at once), which cannot."""
+    if private_tmp is not None:
+        shutil.rmtree(private_tmp, ignore_errors=True)
 
 
 def guarded(argv: Sequence[str], private_tmp: str | None = None) -> list[str]:
@@ -253,8 +261,7 @@ def main(argv: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, KILL_TREE_SIGNAL)
     if os.getppid() != owner_pid:  # the owner died before the signal was armed: start nothing
-        if private_tmp is not None:
-            shutil.rmtree(private_tmp, ignore_errors=True)
+        remove_private_tmp(private_tmp)
         return 1
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
     existing_shm = shm_inodes()
@@ -269,8 +276,7 @@ def main(argv: list[str]) -> int:
             tree.kill()
     tree.kill()
     removed = sweep_shm(SHM_DIR, existing_shm)
-    if private_tmp is not None:
-        shutil.rmtree(private_tmp, ignore_errors=True)
+    remove_private_tmp(private_tmp)
     if tree.killed or removed:
         print(
             f"worker guard: SIGKILLed {sorted(tree.killed)}; removed from {SHM_DIR}: {removed}",

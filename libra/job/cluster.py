@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 from libra.config import LibraConfig
 from libra.control import ClusterClient, Controller
 from libra.control.types import AgentState
-from libra.control.worker_guard import end_guarded, guarded, make_private_tmp
+from libra.control.worker_guard import end_guarded, guarded, make_private_tmp, remove_private_tmp
 from libra.planner.device_map import DeviceMap
 from libra.planner.planner import Planner
 from libra.planner.service import serve_planner
@@ -175,6 +174,6 @@ class JobCluster:
         if self._agent_process is not None:
             # The agent stops its workers on SIGTERM; past the grace its guard kills the tree.
             end_guarded(self._agent_process, grace_s=30.0)
-            shutil.rmtree(self._agent_tmp, ignore_errors=True)  # if its guard was killed outright
+            remove_private_tmp(self._agent_tmp)  # if its guard was killed outright
         if self.controller is not None:
             self.controller.stop()

@@ -31,7 +31,7 @@ from libra.control.config import ControlConfig
 from libra.control.types import EventKind
 from libra.rollout.client import InstanceClient, open_aio_channel
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Router
+from libra.scheduler.interface import Router, reprice
 from libra.v1 import controller_pb2, controller_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -264,12 +264,9 @@ class InstancePool:
         """The speeds the pricing gives the buckets now (its history and calibration move on
         between bucket changes), for the router's next decisions; nobody is decided again.
         Nothing without a pricing, or with a router that has no speeds (the baselines)."""
-        set_speeds = getattr(self.router, "set_bucket_speeds", None)
-        if self._price_buckets is None or set_speeds is None:
+        if self._price_buckets is None:
             return
-        priced = self._price_buckets(self.buckets)
-        set_speeds(priced)
-        self._cmlfq = dataclasses.replace(self._cmlfq, buckets=tuple(priced))
+        self._cmlfq = reprice(self.router, self._cmlfq, self._price_buckets)
 
     def _in_service(self, instance_id: int, what: str) -> PooledInstance:
         pooled = self._instances.get(instance_id)

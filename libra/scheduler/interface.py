@@ -18,11 +18,11 @@ Engines report how full their KV is with `set_instance_kv`, whenever it changes 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from libra.scheduler.config import BucketConfig
+from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.scheduler.tool_state import ToolReturnState
 
 
@@ -167,3 +167,20 @@ def check_kv(instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
         f"instance {instance_id}: KV tokens must be in 0..{_MAX_KV_TOKENS}, "
         f"got used {used_tokens}, capacity {capacity_tokens}"
     )
+
+
+def reprice(
+    router: Router,
+    config: CmlfqConfig,
+    price: Callable[[tuple[BucketConfig, ...]], Sequence[BucketConfig]],
+) -> CmlfqConfig:
+    """Sets the speeds `price` gives `config`'s buckets now on `router`
+    (`CmlfqRouter.set_bucket_speeds`: nobody is decided again) and returns `config` with the
+    priced buckets. A router without speeds (the baselines) is left alone and `config` returned
+    as it is, unpriced."""
+    set_speeds = getattr(router, "set_bucket_speeds", None)
+    if set_speeds is None:
+        return config
+    priced = price(config.buckets)
+    set_speeds(priced)
+    return replace(config, buckets=tuple(priced))

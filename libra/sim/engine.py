@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Router
+from libra.scheduler.interface import Decision, Router, reprice
 from libra.scheduler.tool_state import ToolReturnState
 from libra.sim.instance import Instance, Sequence, StepCoefficients
 from libra.trace import TrajectoryTrace
@@ -224,12 +224,7 @@ class RolloutCluster:
         """The buckets' speeds as `price` gives them now, set as the job sets them after each
         step (`CmlfqRouter.set_bucket_speeds`): nobody is decided again. Nothing for a router
         without speeds."""
-        set_speeds = getattr(self.router, "set_bucket_speeds", None)
-        if set_speeds is None:
-            return
-        buckets = price(self.cmlfq_config.buckets)
-        set_speeds(buckets)
-        self.cmlfq_config = replace(self.cmlfq_config, buckets=tuple(buckets))
+        self.cmlfq_config = reprice(self.router, self.cmlfq_config, price)
 
     def _cut_from(self, inst: Instance, traj: LiveTrajectory) -> bool:
         """Takes `traj`'s turn off `inst` (decoding or queued); False if it was not there."""
