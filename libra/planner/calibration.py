@@ -3,7 +3,8 @@ measurements.
 
 Every prediction is `TimeBreakdown.seconds(factors)`, linear in (1/compute, 1/memory,
 1/communication, overhead_s) plus a fixed latency floor that is subtracted from the measurement,
-so fitting is linear least squares on the breakdowns' feature rows.
+once each overlapped compute/memory pair's binding side is known, so fitting is linear least
+squares on the breakdowns' feature rows, once for each way the pairs can split (`fit_factors`).
 Rows are weighted by 1/measured so the fit minimises relative error (a 2 s step and a 20 ms step
 count alike). Coefficients must not be negative: a negative one is pinned to zero (that component
 costs nothing: efficiency inf) and the rest refitted, a small active-set method. Factors named
@@ -19,6 +20,8 @@ calibrated model and their difference is in measured seconds.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import statistics
 from collections import deque
@@ -67,13 +70,66 @@ def fit_factors(
     prior: EfficiencyFactors = DEFAULT_PRIOR,
     fixed: tuple[str, ...] = (),
 ) -> EfficiencyFactors:
-    """The factors that minimise the relative squared error over `measurements`."""
+    """The factors that minimise the relative squared error over `measurements`.
+
+    Which side of an overlapped pair (c, m) (`TimeBreakdown.overlapped`) binds depends on the
+    factors being fitted: compute when c / m >= compute / memory. So the sides are those of one
+    threshold on c / m, and the fit tries each: below every pair's ratio, between each two, above
+    all -- a linear fit each, tens of small fits for tens of measurements -- and keeps the one
+    whose factors predict the measurements best. A factor no measurement shows (the compute
+    efficiency when every pair is on its memory side) keeps its prior, raised where needed to the
+    least value that leaves those pairs on that side."""
     unknown = [n for n in fixed if n not in FACTOR_NAMES]
     if unknown:
         raise ValueError(f"fixed names unknown factors {unknown}; known: {list(FACTOR_NAMES)}")
     if not measurements:
         raise ValueError("calibration needs at least one measurement")
-    features = np.stack([m.breakdown.features() for m in measurements])
+    pairs = [pair for m in measurements for pair in m.breakdown.overlapped]
+    ratios = sorted({c / m for c, m in pairs if c > 0 and m > 0})
+    # A threshold between each two ratios (not at one, where rounding could flip that pair).
+    thresholds = [ratios[0] / 2] if ratios else []
+    thresholds += [math.sqrt(a * b) for a, b in itertools.pairwise(ratios)] + [math.inf]
+    best, best_error = prior, math.inf
+    for ratio in thresholds:
+        # Factors whose compute / memory is `ratio` put exactly the pairs at or above it on their
+        # compute side.
+        sides = EfficiencyFactors(compute=ratio, memory=1.0)
+        features = np.stack([m.breakdown.features(sides) for m in measurements])
+        factors = _kept_on_their_sides(
+            _fit_linear(features, measurements, prior, fixed), features, pairs, ratio, fixed
+        )
+        error = _relative_error(factors, measurements)
+        if error < best_error:
+            best, best_error = factors, error
+    return best
+
+
+def _kept_on_their_sides(
+    factors: EfficiencyFactors,
+    features: np.ndarray,
+    pairs: list[tuple[float, float]],
+    ratio: float,
+    fixed: tuple[str, ...],
+) -> EfficiencyFactors:
+    """`factors` with an unobserved compute (memory) efficiency raised so that every overlapped
+    pair the fit counted on its memory (compute) side -- c / m below (at or above) `ratio` --
+    stays there."""
+    if "compute" not in fixed and not features[:, 0].any():
+        needed = max((c * factors.memory / m for c, m in pairs if m > 0 and c / m < ratio), default=0.0)
+        factors = dataclasses.replace(factors, compute=max(factors.compute, needed * (1 + 1e-9)))
+    if "memory" not in fixed and not features[:, 1].any():
+        needed = max((m * factors.compute / c for c, m in pairs if c > 0 and c / m >= ratio), default=0.0)
+        factors = dataclasses.replace(factors, memory=max(factors.memory, needed * (1 + 1e-9)))
+    return factors
+
+
+def _relative_error(factors: EfficiencyFactors, measurements: list[Measurement]) -> float:
+    return sum(((m.breakdown.seconds(factors) - m.measured_s) / m.measured_s) ** 2 for m in measurements)
+
+
+def _fit_linear(
+    features: np.ndarray, measurements: list[Measurement], prior: EfficiencyFactors, fixed: tuple[str, ...]
+) -> EfficiencyFactors:
     measured = np.array([m.measured_s for m in measurements])
     weights = 1.0 / measured
     # The collectives' latency floor is a measured constant, not a share of a peak: it is what

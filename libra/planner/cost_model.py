@@ -1,17 +1,22 @@
 """What every cost model returns: times split into ideal components, and the efficiency factors
 that turn them into predictions.
 
-A prediction is linear in the inverse efficiencies:
+A prediction is
 
     time = compute_s / compute + memory_s / memory + communication_s / communication + overhead_s
-           + latency_s
+           + latency_s + sum over overlapped pairs of max(c / compute, m / memory)
 
 where `compute_s` is the time at the device's peak FLOP/s, `memory_s` at its peak memory
-bandwidth and `communication_s` at its peak link bandwidth (one direction). `latency_s` holds the
+bandwidth and `communication_s` at its peak link bandwidth (one direction). An overlapped pair is
+compute and memory traffic of the same kernels, which real engines run at once: a decode step's
+matmuls read the weights and multiply them by the batch's activations, so they take the longer of
+the two (the roofline), not their sum -- at batch 64 the sum would overstate a 14B model's step on
+an A800 by ~1.6x. `latency_s` holds the
 profile's measured floors (`HardwareProfile.allreduce_latency_s` per all-reduce, and an inference
 engine's `engine_step_overhead_s` per step): not shares of a peak, so no efficiency scales them
 and calibration moves them to the measured side (its `overhead_s` fits what is left). This is
-what makes calibration a linear least-squares problem (`libra.planner.calibration`).
+what makes calibration a least-squares problem that is linear once each overlapped pair's bound
+side is known (`libra.planner.calibration` finds it by iterating).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class TimeBreakdown:
     latency_s: float = 0.0
     """Measured floors (collective latency, an engine's host time per step), in seconds as they
     are (not scaled by an efficiency)."""
+    overlapped: tuple[tuple[float, float], ...] = ()
+    """(compute_s, memory_s) of kernels that compute while they read: each pair takes the longer
+    of its two times. Kept apart per operation, so that a sum of steps is the sum of their maxima."""
 
     def __add__(self, other: TimeBreakdown) -> TimeBreakdown:
         return TimeBreakdown(
@@ -59,6 +67,7 @@ class TimeBreakdown:
             self.communication_s + other.communication_s,
             self.overhead_steps + other.overhead_steps,
             self.latency_s + other.latency_s,
+            self.overlapped + other.overlapped,
         )
 
     def scaled(self, factor: float) -> TimeBreakdown:
@@ -68,12 +77,20 @@ class TimeBreakdown:
             self.communication_s * factor,
             self.overhead_steps * factor,
             self.latency_s * factor,
+            tuple((c * factor, m * factor) for c, m in self.overlapped),
         )
 
-    def features(self) -> np.ndarray:
+    def features(self, eff: EfficiencyFactors) -> np.ndarray:
         """The row of the calibration design matrix: coefficients of (1/compute, 1/memory,
-        1/communication, overhead_s); `latency_s` is not one (it is subtracted from the measurement)."""
-        return np.array([self.compute_s, self.memory_s, self.communication_s, self.overhead_steps])
+        1/communication, overhead_s); `latency_s` is not one (it is subtracted from the measurement).
+        Each overlapped pair counts on the side that binds under `eff` (the other is hidden)."""
+        compute, memory = self.compute_s, self.memory_s
+        for c, m in self.overlapped:
+            if c / eff.compute >= m / eff.memory:
+                compute += c
+            else:
+                memory += m
+        return np.array([compute, memory, self.communication_s, self.overhead_steps])
 
     def seconds(self, eff: EfficiencyFactors) -> float:
         return (
@@ -82,6 +99,7 @@ class TimeBreakdown:
             + self.communication_s / eff.communication
             + self.overhead_steps * eff.overhead_s
             + self.latency_s
+            + sum(max(c / eff.compute, m / eff.memory) for c, m in self.overlapped)
         )
 
 

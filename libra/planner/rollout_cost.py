@@ -4,15 +4,16 @@ Per instance of TP size k (all figures per device unless said otherwise):
 - KV pool = usable memory - weights / k - activation workspace; token capacity = pool / KV bytes
   per token and device (KV heads split over k, replicated when k exceeds them) x (1 - fragmentation).
 - Steady batch = capacity / mean context (prompt + output / 2), capped at max_decode_batch.
-- Decode step (bandwidth bound) = read the weight shard and the batch's KV, plus the batch's
-  matmul FLOPs, plus two all-reduces per layer over the TP group -- each paying the link's
+- Decode step = the longer of reading the weight shard and the batch's matmul FLOPs, plus reading
+  the batch's KV, plus two all-reduces per layer over the TP group -- each paying the link's
   latency floor (`HardwareProfile.allreduce_latency_s`) on top of its bytes at the bus bandwidth
   (one direction of the links) -- plus the engine's host time per step
   (`HardwareProfile.engine_step_overhead_s`). At small batches those floors, which do not shrink
   with the TP size, are what a large TP size pays for reading fewer weights per device: the
   anchor table (`tests/planner/test_rollout_anchors.py`) holds the single-stream speed-ups they
-  leave to what published engines measure. Compute and memory time are added (not overlapped),
-  which keeps calibration linear and overstates large batches (about 1.6x at batch 64).
+  leave to what published engines measure. The matmuls' compute and weight read overlap (the
+  longer one counts, `DecodeTerms`): below the ridge (~100 tokens a pass on an A800 at the default
+  efficiencies) a decode step is the weight and KV read, and the batch's matmul FLOPs are free.
 - Prefill of p tokens: 2 * params * p + 2 * layers * p^2 * query_dim FLOPs (causal attention),
   plus the same two all-reduces per layer, of p tokens' activations each.
 
@@ -22,9 +23,9 @@ empty instance + its tool time (the long tail).
 
 Its share of a step is priced at its *own* context, not the history's mean: C-MLFQ's buckets hold
 trajectories of similar length, so an instance of short ones runs a large batch and one of long
-ones a small batch. The step (a + b B + c K for B sequences holding K KV tokens) is split by what
-each sequence holds: c x its context for its KV read, b for its per-sequence work, and the fixed
-a (mostly the weight read) over the batch B it shares. B is the least of max_decode_batch, what
+ones a small batch. The step (`DecodeTerms`: fixed + b B + c K + max(weight read, matmul compute
+of B)) is split by what each sequence holds: c x its context for its KV read, b for its
+per-sequence work, and the rest over the batch B it shares. B is the least of max_decode_batch, what
 the KV capacity holds at that context, and -- when the rollout side's size is given -- what the
 trajectories in flight can fill: an asynchronous loop keeps at most global_batch x
 (max_staleness + 1) trajectories in flight, and only those decoding (not waiting on a tool) are
@@ -54,6 +55,33 @@ def mean_decoding_context(history: Sequence[RequestRecord]) -> float:
     """The KV tokens a request of `history` holds while it decodes, on average: its prefill and
     half its output."""
     return float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in history]))
+
+
+@dataclass(frozen=True)
+class DecodeTerms:
+    """One decode step of a TP-k instance, in seconds: B sequences holding K KV tokens, with n
+    prefill tokens riding in the same forward pass, take
+
+        fixed_s + per_sequence_s B + per_kv_token_s K + max(weight_read_s, gemm_per_token_s (B + n))
+
+    -- the floors, each sequence's share of the all-reduces, the attention's KV read, and the
+    matmuls, which read the weights while they multiply every token of the pass (the roofline:
+    below `ridge_tokens` the weight read binds and the batch's matmul compute is free)."""
+
+    fixed_s: float
+    weight_read_s: float
+    gemm_per_token_s: float
+    per_sequence_s: float
+    per_kv_token_s: float
+
+    def step_s(self, batch: float, kv_tokens: float, prefill_tokens: float = 0.0) -> float:
+        matmuls = max(self.weight_read_s, self.gemm_per_token_s * (batch + prefill_tokens))
+        return self.fixed_s + self.per_sequence_s * batch + self.per_kv_token_s * kv_tokens + matmuls
+
+    @property
+    def ridge_tokens(self) -> float:
+        """Tokens a pass holds before its matmuls are compute-bound."""
+        return self.weight_read_s / self.gemm_per_token_s if self.gemm_per_token_s > 0 else float("inf")
 
 
 @dataclass(frozen=True)
@@ -100,7 +128,9 @@ class RolloutCostModel:
         return int(pool / self.kv_bytes_per_token(tp) * (1.0 - self.config.kv_fragmentation))
 
     def decode_step(self, tp: int, batch: float, mean_context: float) -> TimeBreakdown:
-        """Ideal components of one decode step of `batch` sequences of `mean_context` tokens."""
+        """Ideal components of one decode step of `batch` sequences of `mean_context` tokens. The
+        matmuls read the weight shard while they multiply (an overlapped pair); attention reads the
+        batch's KV in kernels of its own."""
         profile = self.cluster.profile
         weight_read = self.model.weight_bytes / tp
         kv_read = batch * mean_context * self.kv_bytes_per_token(tp)
@@ -112,11 +142,29 @@ class RolloutCostModel:
             * ring_allreduce_s(activation_bytes, tp, profile.intra_node_bandwidth_bytes_per_s)
         )
         return TimeBreakdown(
-            compute_s=flops / profile.peak_bf16_flops,
-            memory_s=(weight_read + kv_read) / profile.memory_bandwidth_bytes_per_s,
+            memory_s=kv_read / profile.memory_bandwidth_bytes_per_s,
             communication_s=comm,
             overhead_steps=1.0,
             latency_s=self._pass_floor_s(tp),
+            overlapped=(
+                (flops / profile.peak_bf16_flops, weight_read / profile.memory_bandwidth_bytes_per_s),
+            ),
+        )
+
+    def decode_terms(self, tp: int) -> DecodeTerms:
+        """`decode_step` as `DecodeTerms` under the model's factors: each term is linear in the
+        batch or its KV tokens, so two evaluations recover it exactly."""
+        f = self.factors
+        empty = self.decode_step(tp, 0.0, 0.0)
+        one = self.decode_step(tp, 1.0, 0.0)
+        held = self.decode_step(tp, 1.0, 1000.0)
+        (_, weight_read), (gemm, _) = empty.overlapped[0], one.overlapped[0]
+        return DecodeTerms(
+            fixed_s=empty.seconds(f) - weight_read / f.memory,
+            weight_read_s=weight_read / f.memory,
+            gemm_per_token_s=gemm / f.compute,
+            per_sequence_s=(one.communication_s - empty.communication_s) / f.communication,
+            per_kv_token_s=(held.memory_s - one.memory_s) / 1000.0 / f.memory,
         )
 
     def _pass_floor_s(self, tp: int) -> float:
@@ -194,26 +242,19 @@ class RolloutCostModel:
         latency = np.where(totals <= inst.token_capacity, latency, np.inf)
         return work, latency
 
-    def decode_coefficients(self, tp: int) -> tuple[float, float, float]:
-        """(a, b, c) of step_s = a + b B + c K (B sequences, K KV tokens): `decode_step` is affine
-        in the batch and in the batch's KV tokens, so three evaluations recover it exactly."""
-        f = self.factors
-        base = self.decode_step(tp, 0.0, 0.0).seconds(f)
-        per_sequence = self.decode_step(tp, 1.0, 0.0).seconds(f) - base
-        per_kv_token = (self.decode_step(tp, 1.0, 1000.0).seconds(f) - base - per_sequence) / 1000.0
-        return base, per_sequence, per_kv_token
-
     def token_share_s(
         self, tp: int, context: np.ndarray, decoding_per_device: float | None = None
     ) -> np.ndarray:
         """Instance seconds one output token of a sequence holding `context` KV tokens costs in a
         TP-tp instance of sequences like it (see the module docstring)."""
-        base, per_sequence, per_kv_token = self.decode_coefficients(tp)
+        terms = self.decode_terms(tp)
         context = np.maximum(np.asarray(context, dtype=float), 1.0)
         batch = np.minimum(self.token_capacity(tp) / context, float(self.config.max_decode_batch))
         if decoding_per_device is not None:
             batch = np.minimum(batch, tp * decoding_per_device)
-        return base / np.maximum(batch, 1.0) + per_sequence + per_kv_token * context
+        batch = np.maximum(batch, 1.0)
+        shared = terms.fixed_s + np.maximum(terms.weight_read_s, terms.gemm_per_token_s * batch)
+        return shared / batch + terms.per_sequence_s + terms.per_kv_token_s * context
 
     def decoding_per_device(
         self, tp: int, history: tuple[RequestRecord, ...], in_flight: int, rollout_devices: int

@@ -9,20 +9,24 @@ the prefill takes the budget they leave over, and the step gets slower by what i
 A step with B decoding sequences holding K KV tokens and prefill chunks (o_i, n_i) -- n_i tokens
 of a sequence that already holds o_i tokens of KV -- takes
 
-    step_s = a + b * B + c * K  +  sum_i [F(o_i + n_i) - F(o_i)]
+    step_s = a + b * B + c * K + max(W, g * (B + sum_i n_i))  +  sum_i [F(o_i + n_i) - F(o_i)]
 
-where a + b B + c K is the planner's decode step (`RolloutCostModel.decode_step` is affine in B
-and K; `StepCoefficients` reads a, b, c off it once per TP size) and F(p) its prefill time of p
-tokens (`RolloutCostModel.prefill_seconds`: linear FLOPs, causal attention quadratic in p, and
-the all-reduces of the activations). The difference F(o + n) - F(o) is what prefilling tokens o..o+n
-adds to a forward pass (the pass's all-reduce latency floor is paid once, in a): chunks of one
-prefill add up exactly to the unchunked prefill's compute, and a tool result prefilled after a
-cached prefix pays attention over that prefix.
+where all but the last sum is the planner's decode step (`RolloutCostModel.decode_terms`, read
+once per TP size): floors, per-sequence all-reduce bytes, the KV read, and the matmuls, which read
+the weights (W) while they multiply every token of the pass (g each) and take the longer of the
+two. F(p) is the rest of the planner's prefill time of p tokens (`RolloutCostModel.prefill_seconds`
+less its matmuls: causal attention quadratic in p, and the all-reduces of the activations). The
+difference F(o + n) - F(o) is what prefilling tokens o..o+n adds to a forward pass (the pass's
+latency floor is paid once, in a): chunks of one prefill add up exactly to the unchunked
+prefill's work, and a tool result prefilled after a cached prefix pays attention over that
+prefix. A step of a few decodes is bound by its weight read, and a few hundred prefill tokens
+riding in it cost no more matmul time; a step with a large chunk is bound by its compute.
 
 There are no per-token events. While the step's composition holds, steps are uniform and are
 taken in closed form: a prefilling sequence that alone fills the leftover budget for k steps
-costs k (a + b B) + c (k K + B k (k - 1) / 2) + F(o + k P) - F(o) (P = budget - B; the decodes'
-KV grows by B a step), up to when its prefill is done or the first decode finishes its turn.
+costs k (a + b B + max(W, g (B + P))) + c (k K + B k (k - 1) / 2) + F(o + k P) - F(o)
+(P = budget - B; the decodes' KV grows by B a step), up to when its prefill is done or the first
+decode finishes its turn.
 A step that mixes the end of one prefill with the start of the next is taken on its own.
 Decoding alone is taken as a fluid (tokens = elapsed / step_s at the interval's start; context
 growth inside an interval is ignored, a few percent at most between events). An event that
@@ -59,7 +63,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from libra.planner.rollout_cost import RolloutCostModel
+from libra.planner.rollout_cost import DecodeTerms, RolloutCostModel
 
 DONE_EPS = 1e-6
 """Tokens below which a turn's decode or a prefill counts as finished (float rounding)."""
@@ -67,33 +71,34 @@ DONE_EPS = 1e-6
 
 @dataclass(frozen=True)
 class StepCoefficients:
-    """The cost of one engine step of a TP-tp instance:
-    base_s + per_sequence_s * B + per_kv_token_s * K for its B decodes holding K KV tokens, plus
+    """The cost of one engine step of a TP-tp instance: `decode.step_s(B, K, n)` for its B
+    decodes holding K KV tokens and the n prefill tokens riding along, plus
     prefill_s(o + n) - prefill_s(o) for each prefill chunk, where
-    prefill_s(p) = prefill_linear_s * p + prefill_quadratic_s * p^2 (+ a constant that cancels)."""
+    prefill_s(p) = prefill_linear_s * p + prefill_quadratic_s * p^2 (+ a constant that cancels)
+    is what prefilling adds besides the matmuls (their compute is in the step's roofline term)."""
 
     tp: int
-    base_s: float
-    per_sequence_s: float
-    per_kv_token_s: float
+    decode: DecodeTerms
     prefill_linear_s: float
     prefill_quadratic_s: float
     token_capacity: int
 
     @staticmethod
     def of(cost: RolloutCostModel, tp: int) -> StepCoefficients:
-        base, per_sequence, per_kv_token = cost.decode_coefficients(tp)
+        decode = cost.decode_terms(tp)
         linear, quadratic = cost.prefill_coefficients(tp)
         return StepCoefficients(
-            tp, base, per_sequence, per_kv_token, linear, quadratic, cost.token_capacity(tp)
+            tp, decode, linear - decode.gemm_per_token_s, quadratic, cost.token_capacity(tp)
         )
 
-    def step_s(self, batch: int, kv_tokens: float) -> float:
-        """A step of decodes only."""
-        return self.base_s + self.per_sequence_s * batch + self.per_kv_token_s * kv_tokens
+    def step_s(self, batch: int, kv_tokens: float, prefill_tokens: float = 0.0) -> float:
+        """A step of `batch` decodes and `prefill_tokens` prefill tokens, without what the
+        prefill chunks add besides their matmuls (`chunk_s`)."""
+        return self.decode.step_s(batch, kv_tokens, prefill_tokens)
 
     def chunk_s(self, offset: float, tokens: float) -> float:
-        """What prefilling `tokens` more tokens of a sequence holding `offset` adds to a step."""
+        """What prefilling `tokens` more tokens of a sequence holding `offset` adds to a step
+        besides the matmuls."""
         end = offset + tokens
         return self.prefill_linear_s * tokens + self.prefill_quadratic_s * (end * end - offset * offset)
 
@@ -257,8 +262,8 @@ class Instance:
 
             def elapsed(k: float) -> float:
                 return (
-                    k * (c.base_s + c.per_sequence_s * num_decoding)
-                    + c.per_kv_token_s * (k * kv + num_decoding * k * (k - 1) / 2)
+                    k * c.step_s(num_decoding, 0.0, budget)
+                    + c.decode.per_kv_token_s * (k * kv + num_decoding * k * (k - 1) / 2)
                     + c.chunk_s(offset, k * budget)
                 )
 
@@ -280,7 +285,9 @@ class Instance:
             n = min(room, seq.prefill_left)
             chunks.append((seq, n))
             room -= n
-        cost = c.step_s(num_decoding, kv) + sum(c.chunk_s(s.prefill_offset, n) for s, n in chunks)
+        cost = c.step_s(num_decoding, kv, sum(n for _, n in chunks)) + sum(
+            c.chunk_s(s.prefill_offset, n) for s, n in chunks
+        )
         fraction = min(1.0, (until - t) / cost)
         end = t + cost if fraction >= 1.0 else until
         if apply:

@@ -176,3 +176,36 @@ def test_scaled_factors_scale_every_prediction_but_the_latency_floor():
     assert breakdown.seconds(scaled_factors(factors, 2.5)) - 0.1 == pytest.approx(2.5 * base)
     with pytest.raises(ValueError, match="scale"):
         scaled_factors(factors, 0.0)
+
+
+def test_pairs_bound_by_their_reads_keep_the_compute_they_do_not_show_off_their_side():
+    """Decode steps whose matmuls hide under the weight read (as the CPU's vLLM runs are) show no
+    compute efficiency. At the prior they would count as compute-bound, and a fit on that side
+    says an efficiency the read-bound fit then drops again; the fit settles on the read side with
+    the compute efficiency raised just enough to keep every pair there, and predicts each step."""
+    truth = EfficiencyFactors(compute=8.0, memory=0.5, communication=1.0, overhead_s=0.001)
+    rows = []
+    for weights, kv in ((0.01, 0.001), (0.02, 0.004), (0.05, 0.002), (0.08, 0.02)):
+        step = TimeBreakdown(memory_s=kv, overhead_steps=1.0, overlapped=((10 * weights, weights),))
+        rows.append(Measurement(step, step.seconds(truth), f"w{weights}"))
+    prior = EfficiencyFactors(compute=0.5, memory=0.8)
+    assert all(c / prior.compute > m / prior.memory for r in rows for c, m in r.breakdown.overlapped)
+    fitted = fit_factors(rows, prior)
+    assert fitted.memory == pytest.approx(0.5, rel=1e-6)
+    assert fitted.overhead_s == pytest.approx(0.001, rel=1e-6)
+    assert fitted.compute == pytest.approx(10 * 0.5, rel=1e-6)  # 10x the bytes' time: the least that hides
+    for r in rows:
+        assert r.breakdown.seconds(fitted) == pytest.approx(r.measured_s, rel=1e-6)
+
+
+def test_a_fit_finds_which_pairs_are_compute_bound():
+    """Half the steps bound by compute, half by their reads: the alternating fit recovers both
+    efficiencies from a prior that puts every pair on one side."""
+    truth = EfficiencyFactors(compute=0.4, memory=0.7, communication=1.0, overhead_s=0.0)
+    rows = []
+    for batch in (1, 8, 32, 128, 256, 512):
+        step = TimeBreakdown(memory_s=0.001 * batch, overlapped=((0.0002 * batch, 0.02),))
+        rows.append(Measurement(step, step.seconds(truth), f"b{batch}"))
+    fitted = fit_factors(rows, EfficiencyFactors(compute=50.0, memory=0.8))
+    assert fitted.compute == pytest.approx(0.4, rel=1e-6)
+    assert fitted.memory == pytest.approx(0.7, rel=1e-6)

@@ -56,9 +56,13 @@ def test_kv_capacity_by_hand():
 def test_decode_step_by_hand():
     cost = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(), UNIT)
     step = cost.decode_step(4, batch=32, mean_context=3000)
-    bytes_read = 14.77e9 * 2 / 4 + 32 * 3000 * (2 * 40 * 2 * 128 * 2)
-    assert step.memory_s == pytest.approx(bytes_read / 2039e9)
-    assert step.compute_s == pytest.approx(2 * 14.77e9 * 32 / 4 / 312e12)
+    kv_read = 32 * 3000 * (2 * 40 * 2 * 128 * 2)
+    assert step.memory_s == pytest.approx(kv_read / 2039e9)
+    # The matmuls read the weight shard while they multiply: an overlapped pair.
+    ((compute, weight_read),) = step.overlapped
+    assert compute == pytest.approx(2 * 14.77e9 * 32 / 4 / 312e12)
+    assert weight_read == pytest.approx(14.77e9 * 2 / 4 / 2039e9)
+    assert step.compute_s == 0.0
     all_reduce = 2 * 3 / 4 * (32 * 5120 * 2) / 200e9  # NVLink's 400 GB/s is 200 a direction
     assert step.communication_s == pytest.approx(2 * 40 * all_reduce)
     assert ring_allreduce_s(1e9, 1, 1e9) == 0.0
@@ -200,8 +204,8 @@ def test_decode_and_prefill_pay_two_all_reduce_latencies_per_layer(tp):
             tp, batch, context
         ).seconds(factors)
         assert added == pytest.approx(expected, abs=1e-12)
-    base_with, _, _ = with_floor.decode_coefficients(tp)
-    base_without, _, _ = without.decode_coefficients(tp)
+    base_with = with_floor.decode_terms(tp).fixed_s
+    base_without = without.decode_terms(tp).fixed_s
     assert base_with - base_without == pytest.approx(expected, abs=1e-12)  # the floor is per step
     prefill = with_floor.prefill(tp, 10_000)
     assert prefill.latency_s == pytest.approx(expected + 2e-3)  # and the engine's 2 ms a pass
@@ -250,4 +254,40 @@ def test_time_breakdown_latency_adds_unscaled():
     b = TimeBreakdown(1.0, 1.0, 1.0, 1.0, latency_s=0.25)
     assert b.seconds(EfficiencyFactors(0.5, 0.5, 0.5, 0.1)) == pytest.approx(6.1 + 0.25)
     assert (b + b).latency_s == 0.5 and b.scaled(3).latency_s == 0.75
-    assert list(b.features()) == [1.0, 1.0, 1.0, 1.0]  # calibration's columns exclude the floor
+    # Calibration's columns exclude the floor.
+    assert list(b.features(EfficiencyFactors())) == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_an_overlapped_pair_takes_the_longer_side_and_sums_per_operation():
+    f = EfficiencyFactors(compute=0.5, memory=0.25, communication=1.0)
+    memory_bound = TimeBreakdown(memory_s=1.0, overlapped=((1.0, 1.0),))  # 2 s of compute, 4 of reads
+    compute_bound = TimeBreakdown(overlapped=((3.0, 1.0),))  # 6 s against 4
+    assert memory_bound.seconds(f) == pytest.approx(4 + 4)
+    assert compute_bound.seconds(f) == pytest.approx(6)
+    both = memory_bound + compute_bound
+    assert both.seconds(f) == pytest.approx(14)  # each operation's own maximum, not the sum's
+    assert memory_bound.scaled(3).seconds(f) == pytest.approx(24)
+    # A calibration row counts each pair on the side that binds under the factors given.
+    assert list(both.features(f)) == [3.0, 2.0, 0.0, 0.0]
+    assert list(both.features(EfficiencyFactors(compute=0.1, memory=1.0))) == [4.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_decode_terms_are_the_decode_step_on_both_sides_of_the_ridge(tp):
+    factors = EfficiencyFactors(compute=0.45, memory=0.8, communication=0.6, overhead_s=1e-4)
+    cost = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(), factors)
+    terms = cost.decode_terms(tp)
+    # A800 at these efficiencies: 312 T x 0.45 / (2.04 T x 0.8) ~ 86 tokens a pass.
+    assert 70 < terms.ridge_tokens < 100
+    for batch in (1, 16, 64, 128, 256):
+        for context in (100.0, 4000.0):
+            expected = cost.decode_step(tp, batch, context).seconds(factors)
+            assert terms.step_s(batch, batch * context) == pytest.approx(expected, rel=1e-9)
+    # Below the ridge, more sequences cost only their KV and all-reduce bytes; above it, the
+    # matmuls' compute too.
+    light = terms.step_s(32, 0.0) - terms.step_s(31, 0.0)
+    heavy = terms.step_s(200, 0.0) - terms.step_s(199, 0.0)
+    assert light == pytest.approx(terms.per_sequence_s)
+    assert heavy == pytest.approx(terms.per_sequence_s + terms.gemm_per_token_s)
+    # Prefill tokens riding in a light step share its weight read.
+    assert terms.step_s(8, 0.0, prefill_tokens=40) == pytest.approx(terms.step_s(8, 0.0))

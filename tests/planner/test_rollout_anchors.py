@@ -40,6 +40,7 @@ def decode_ms(model: ModelArch, profile, tp: int, batch: int, context: float) ->
 ANCHORS = [
     ("Llama-2-13B TP-1 b1", LLAMA2_13B, A100_SXM4_80GB, 1, 1, 17.4, "lmdeploy a100_fp16 benchmark"),
     ("Llama-2-13B TP-1 b16", LLAMA2_13B, A100_SXM4_80GB, 1, 16, 18.4, "lmdeploy a100_fp16 benchmark"),
+    ("Llama-2-13B TP-1 b64", LLAMA2_13B, A100_SXM4_80GB, 1, 64, 21.0, "lmdeploy a100_fp16 benchmark"),
     ("InternLM-20B TP-2 b1", INTERNLM_20B, A100_SXM4_80GB, 2, 1, 16.4, "lmdeploy a100_fp16 benchmark"),
     ("Llama-2-70B TP-4 b1", LLAMA2_70B, A100_SXM4_80GB, 4, 1, 29.5, "lmdeploy a100_fp16 benchmark"),
     ("CodeLlama-34B TP-1 b1", CODELLAMA_34B, A100_SXM4_80GB, 1, 1, 46.8, "TGI 1.2, TGI issue 1315"),
@@ -58,12 +59,20 @@ def test_decode_step_within_30_percent_of_published_engines(case):
     assert 0.75 <= ratio <= 1.3, f"measured / model = {ratio:.2f}"
 
 
-def test_large_batches_are_overstated_because_compute_and_memory_add():
-    """Llama-2-13B at batch 64 measures 21.0 ms (lmdeploy): the model adds compute (9.7 ms at
-    its efficiency) to the weight read instead of overlapping them, and says 1.3-1.7x that. A
-    model that overlapped them would fail the upper bound's check of this direction."""
-    ratio = decode_ms(LLAMA2_13B, A100_SXM4_80GB, 1, 64, 256) / 21.0
-    assert 1.3 <= ratio <= 1.7, f"model / measured = {ratio:.2f}"
+def test_matmul_compute_hides_under_the_weight_read_below_the_ridge():
+    """Llama-2-13B on an A100 goes from 17.4 ms a step at batch 1 to 21.0 ms at batch 64
+    (lmdeploy): its matmuls' 2 x 13 G x 64 FLOPs (9.7 ms at the rollout compute efficiency) run
+    while the weights stream in. A model that added them to the weight read said 26.7 ms at batch
+    64 (1.27x); one that overlaps them must stay under 1.2x of the measured growth plus its KV."""
+    growth = decode_ms(LLAMA2_13B, A100_SXM4_80GB, 1, 64, 256) - decode_ms(
+        LLAMA2_13B, A100_SXM4_80GB, 1, 1, 256
+    )
+    cost = RolloutCostModel(
+        ClusterSpec(1, 8, A100_SXM4_80GB), LLAMA2_13B, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS
+    )
+    kv_ms = cost.decode_terms(1).per_kv_token_s * 63 * 256 * 1e3
+    assert growth == pytest.approx(kv_ms, rel=1e-6)  # the batch's KV read, no matmul time
+    assert growth <= 1.2 * (21.0 - 17.4) + kv_ms
 
 
 @pytest.mark.parametrize("profile", [A800_SXM4_80GB, H100_SXM_80GB, H200_SXM_141GB, ASCEND_910B])

@@ -20,7 +20,9 @@ from tests.sim.helpers import tiny_config
 
 
 def test_calibration_recovers_known_factors():
-    """Measurements made by a cost model with known factors are fitted back to those factors."""
+    """Measurements made by a cost model with known factors are fitted back to those factors.
+    Decode steps up to batch 64 are bound by the weight read; those of 256 and 512 by their
+    matmuls' compute, which makes the compute efficiency visible (the fit finds each step's side)."""
     config = tiny_config()
     truth = EfficiencyFactors(compute=0.3, memory=0.6, communication=0.7, overhead_s=0.002)
     rollout = RolloutCostModel(config.cluster, config.model, PlannerConfig(), truth)
@@ -28,7 +30,7 @@ def test_calibration_recovers_known_factors():
     train = TrainingCostModel(config.cluster, config.model, batch, PlannerConfig(), truth)
     decode = [
         DecodeSample(1, b, b * ctx, rollout.decode_step(1, b, ctx).seconds(truth))
-        for b in (1, 4, 16, 64)
+        for b in (1, 4, 16, 64, 256, 512)
         for ctx in (100.0, 3000.0)
     ]
     samples = []

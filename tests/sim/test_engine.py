@@ -1,5 +1,7 @@
 """The event engine and the instance model against hand calculations from the cost model."""
 
+from dataclasses import replace
+
 import pytest
 
 from libra.planner.config import PlannerConfig
@@ -34,11 +36,11 @@ def step(cost, batch, kv_tokens, tp=1):
 
 def chunk(cost, offset, tokens, tp=1):
     """Plain-Python reference: what prefilling `tokens` after `offset` held tokens adds to a
-    forward pass -- the FLOPs of the new tokens (2 x params each, causal attention over
-    everything before them) and two all-reduces per layer of their activations."""
+    forward pass besides its matmuls -- causal attention over everything before them, and two
+    all-reduces per layer of their activations."""
     m, profile, f = cost.model, cost.cluster.profile, cost.factors
     end = offset + tokens
-    flops = 2.0 * m.num_params * tokens + 2.0 * m.num_layers * m.query_dim * (end**2 - offset**2)
+    flops = 2.0 * m.num_layers * m.query_dim * (end**2 - offset**2)
     per_token = ring_allreduce_s(
         m.hidden_size * m.bytes_per_param, tp, profile.intra_node_bandwidth_bytes_per_s
     )
@@ -48,12 +50,24 @@ def chunk(cost, offset, tokens, tp=1):
     )
 
 
+def matmul_s(cost, tokens, tp=1):
+    """The matmuls of a pass over `tokens` tokens: 2 x params FLOPs each, or the weight read,
+    whichever takes longer (they run at once)."""
+    m, profile, f = cost.model, cost.cluster.profile, cost.factors
+    compute = 2.0 * m.num_params * tokens / (tp * profile.peak_bf16_flops) / f.compute
+    weight_read = m.weight_bytes / tp / profile.memory_bandwidth_bytes_per_s / f.memory
+    return max(compute, weight_read)
+
+
 def ref_step(cost, decode_contexts, chunks, tp=1):
     """Plain-Python reference of one engine step: the decode step of the decoding sequences
-    (one weight read and latency floor per pass, even with no decodes) plus each prefill chunk."""
+    without its matmuls (a latency floor per pass, even with no decodes), the matmuls of every
+    token in the pass, and what each prefill chunk adds besides them."""
     batch, kv = len(decode_contexts), float(sum(decode_contexts))
-    decode = cost.decode_step(tp, batch, kv / batch if batch else 0.0).seconds(cost.factors)
-    return decode + sum(chunk(cost, o, n, tp) for o, n in chunks)
+    decode = cost.decode_step(tp, batch, kv / batch if batch else 0.0)
+    without_matmuls = replace(decode, overlapped=()).seconds(cost.factors)
+    tokens = batch + sum(n for _, n in chunks)
+    return without_matmuls + matmul_s(cost, tokens, tp) + sum(chunk(cost, o, n, tp) for o, n in chunks)
 
 
 def prefill(cost, tokens, tp=1, offset=0):
@@ -69,10 +83,16 @@ def test_step_coefficients_match_the_reference(tp):
         assert coeff.step_s(batch, kv) == pytest.approx(step(cost, batch, kv, tp), rel=1e-9)
     for offset, tokens in [(0, 10), (0, 2048), (30_000, 500), (1_000, 1)]:
         assert coeff.chunk_s(offset, tokens) == pytest.approx(chunk(cost, offset, tokens, tp), rel=1e-9)
-    # Chunks of one prefill add up to the unchunked prefill's compute (its latency floor aside).
+    # Chunks of one prefill and their matmuls add up to the unchunked prefill's compute (its
+    # latency floor aside).
     whole = cost.prefill(tp, 6000.0).seconds(cost.factors) - cost.prefill(tp, 0.0).seconds(cost.factors)
     parts = sum(coeff.chunk_s(o, 2000) for o in (0, 2000, 4000))
-    assert parts == pytest.approx(whole, rel=1e-9)
+    assert parts + 6000 * coeff.decode.gemm_per_token_s == pytest.approx(whole, rel=1e-9)
+    # A pass's matmuls take the longer of their compute and the weight read.
+    for batch, prefill_tokens in [(1, 0), (3, 40), (8, 2048)]:
+        matmuls = coeff.step_s(batch, 0.0, prefill_tokens) - coeff.step_s(batch, 0.0, 0.0)
+        expected = matmul_s(cost, batch + prefill_tokens, tp) - matmul_s(cost, batch, tp)
+        assert matmuls == pytest.approx(expected, rel=1e-9, abs=1e-15)
 
 
 def test_one_mixed_step_costs_its_decodes_plus_its_chunks():

@@ -50,7 +50,7 @@ def run_to_next_finish(inst: Instance) -> list[Sequence]:
 
 def prefill(cost, tokens, offset=0):
     c = StepCoefficients.of(cost, 1)
-    return c.step_s(0, 0.0) + c.chunk_s(offset, tokens)
+    return c.step_s(0, 0.0, prefill_tokens=tokens) + c.chunk_s(offset, tokens)
 
 
 def step(cost, batch, kv_tokens):
