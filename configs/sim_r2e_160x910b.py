@@ -14,6 +14,9 @@ def sim_config() -> SimConfig:
         # Groups launched at most 2 versions ahead; the long trajectories that outlive their turn may
         # be 3 versions older still (5 at most) instead of being dropped (`training.tail_staleness`).
         tail_staleness=3,
+        # Those still running when a step would leave them too stale are dropped only while the
+        # dropped share stays within 2 % (`training.staleness_mode=budget`, the default); past
+        # it, waited for.
         workload=WorkloadConfig(name="r2e", group_size=4, num_prompts=4000),
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         num_steps=50,

@@ -12,7 +12,9 @@ No trajectory whose oldest token is more than s + t versions old is trained on (
 `training.tail_staleness`, extra versions for the late ones, which do not deepen the launch): by
 default such a group is dropped, whole, when its batch is formed; with
 `training.staleness_mode=wait` the trainer instead waits, before a step, for the groups launched
-s + t versions ago, so the long tail is trained on rather than thrown away.
+s + t versions ago, so the long tail is trained on rather than thrown away; with `budget` it
+waits for them only when dropping them would take the run's dropped share past
+`training.drop_budget`.
 Training and weight export are blocking gRPC calls made from a thread, so the event loop keeps
 driving every trajectory meanwhile.
 
@@ -355,8 +357,9 @@ class GrpoJob:
         token or (whole) too stale is dropped (its gate slots freed) and replaced by a newer one.
         A group holds `group_size` gate slots whatever it brings back (an agent's session may
         bring several segments, a trajectory may hold no model token), so the gate counts groups
-        and the trainer gets every trajectory of the groups taken. In `wait` mode the batch waits
-        for every group that would be too stale after this step (`training.staleness_mode`)."""
+        and the trainer gets every trajectory of the groups taken. In `wait` mode (and `budget`
+        mode, past its budget) the batch waits for every group that would be too stale after this
+        step (`training.staleness_mode`)."""
         batch: list[Trajectory] = []
         self._last_dropped = self._batch_slots = 0
         slots = self.job.group_size
@@ -381,15 +384,16 @@ class GrpoJob:
         return batch
 
     async def _collect_finished(self) -> None:
-        """Waits until at least one group has finished, and in `wait` mode every group this step
-        must train on (`StalenessGate.must_train`); moves every finished one over. The groups it
+        """Waits until at least one group has finished, and -- in `wait` mode, or in `budget` mode
+        when dropping them would exceed the budget (`StalenessGate.waits_for_due`) -- every group
+        this step must train on (`StalenessGate.must_train`); moves every finished one over. The groups it
         waits for are the oldest, so the batch takes them first."""
-        if self.config.training.staleness_mode == "wait":
-            due = [
-                t for i, t in self.in_flight.items() if self.gate.must_train(self.launched[i].started_version)
-            ]
-            if due:
-                await asyncio.wait(due)
+        training = self.config.training
+        due = [t for i, t in self.in_flight.items() if self.gate.must_train(self.launched[i].started_version)]
+        if self.gate.waits_for_due(
+            len(due) * self.job.group_size, training.staleness_mode, training.drop_budget
+        ):
+            await asyncio.wait(due)
         if not any(t.done() for t in self.in_flight.values()):
             await asyncio.wait(self.in_flight.values(), return_when=asyncio.FIRST_COMPLETED)
         for index in [i for i, t in self.in_flight.items() if t.done()]:

@@ -317,10 +317,15 @@ class SimConfig:
     (`AsyncLLM.from_engine_args`, what `libra.rollout` does), `llm` (the offline `LLM` class,
     verl's synchronous rollout) or `api_server` (`vllm serve`)."""
     seed: int = 0
-    staleness_mode: str = "drop"
-    """As the job's `training.staleness_mode`, for the asynchronous policies: `drop` (the trainer
-    never waits; trajectories finishing too stale are dropped) or `wait` (it waits for
-    trajectories launched max_staleness + tail_staleness versions ago; none is dropped)."""
+    staleness_mode: str = "budget"
+    """As the job's `training.staleness_mode`, for the asynchronous policies that take the
+    config's staleness (a policy naming its own drops what finishes past it): `drop` (the trainer
+    never waits; trajectories finishing too stale are dropped), `wait` (it waits for
+    trajectories launched max_staleness + tail_staleness versions ago; none is dropped) or
+    `budget` (it waits for them only when dropping them would take the dropped share past
+    `drop_budget`)."""
+    drop_budget: float = 0.02
+    """As the job's `training.drop_budget`."""
     tail_staleness: int = 0
     """As the job's `training.tail_staleness`, for the asynchronous policies that take the
     config's staleness (not those naming their own, `PolicySpec.max_staleness`): versions beyond
@@ -332,6 +337,8 @@ class SimConfig:
             raise ValueError(
                 f"sim.staleness_mode must be one of {STALENESS_MODES}, got {self.staleness_mode!r}"
             )
+        if not 0 <= self.drop_budget < 1:
+            raise ValueError(f"sim.drop_budget must be in [0, 1), got {self.drop_budget}")
         if self.profile not in PROFILES:
             raise ValueError(f"sim.profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
         if self.tail_staleness < 0:

@@ -103,12 +103,11 @@ class PolicyRun:
             if policy.mode is Mode.COLOCATED_SYNC
             else (config.batch.max_staleness if policy.max_staleness is None else policy.max_staleness)
         )
-        # A policy that names its own staleness (one-step off-policy, on-policy) keeps exactly it.
-        self.tail = (
-            config.tail_staleness
-            if policy.mode is not Mode.COLOCATED_SYNC and policy.max_staleness is None
-            else 0
-        )
+        # A policy that names its own staleness (one-step off-policy, on-policy) keeps exactly it,
+        # and drops what finishes past it, as its peers run it.
+        takes_config = policy.mode is not Mode.COLOCATED_SYNC and policy.max_staleness is None
+        self.tail = config.tail_staleness if takes_config else 0
+        self.staleness_mode = config.staleness_mode if takes_config else "drop"
         self.ledger = DeviceLedger(config.num_devices)
         rollout_cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
         self.train_cost = TrainingCostModel(
@@ -378,17 +377,17 @@ class AsyncRun(PolicyRun):
         self._maybe_train()
 
     def _waits_for_tail(self) -> bool:
-        """`wait` mode: a trajectory still running was launched so long ago that the next step
-        would leave it too stale, so the step waits for it (as the job does)."""
-        if self.config.staleness_mode != "wait":
-            return False
-        return any(self.gate.must_train(t.tag) for t in self.cluster.live.values())
+        """Trajectories still running were launched so long ago that the next step would leave
+        them too stale: the step waits for them in `wait` mode, and in `budget` mode when dropping
+        them would take the dropped share past the budget (as the job does)."""
+        due = sum(1 for t in self.cluster.live.values() if self.gate.must_train(t.tag))
+        return self.gate.waits_for_due(due, self.staleness_mode, self.config.drop_budget)
 
     def _take_fresh(self) -> list[LiveTrajectory] | None:
         """The first `global_batch` finished trajectories the gate admits at the trainer's
-        version (in `wait` mode those this step must train on first); stale ones are dropped
-        (their slots return to rollout)."""
-        if self.config.staleness_mode == "wait":
+        version (those this step must train on first, unless in `drop` mode); stale ones are
+        dropped (their slots return to rollout)."""
+        if self.staleness_mode != "drop":
             due = [t for t in self.buffer if self.gate.must_train(t.tag)]
             self.buffer = deque(due + [t for t in self.buffer if not self.gate.must_train(t.tag)])
         while len(self.buffer) >= self.batch.global_batch:

@@ -15,6 +15,10 @@ checkpoint.
   (or waited for); a few versions of tail keep nearly all of them at the same launch depth, so
   the rollout side runs no further ahead, and the bound on any token's age stays
   max_staleness + tail_staleness (AReaL bounds the same age, without a separate launch depth).
+- Waiting for the tail (`waits_for_due`): a rollout still running when the next step would leave
+  it too stale is dropped when it finishes (`drop`), always waited for (`wait`: nothing dropped,
+  steps stall), or waited for only when dropping it would take the run's dropped share past a
+  budget (`budget`: the long tail is kept at, say, 98 % with as little stall as that takes).
 - Restart: the counters and the version are persisted. Rollouts in flight at the checkpoint do
   not survive a restart, so `load_state_dict` releases their slots by default; forgetting the
   counters instead (the usual bug) lets the first post-restart round over-commit the rollout side
@@ -126,6 +130,21 @@ class StalenessGate:
         step's batch: after that step its tokens (none older than that version) would be past
         the `bound`."""
         return started_version <= self.state.version - self.bound
+
+    def waits_for_due(self, due_slots: int, mode: str, drop_budget: float = 0.0) -> bool:
+        """Whether the trainer waits, before its next step, for the `due_slots` rollouts still
+        running that the step would leave too stale (`must_train`): always in `wait` mode, never
+        in `drop` (they are dropped if they finish), and in `budget` mode when dropping them
+        would take the share of dropped slots, out of all that ended (trained or dropped), past
+        `drop_budget` -- so a run drops its long tail only while the drops stay that rare."""
+        if due_slots <= 0 or mode == "drop":
+            return False
+        if mode == "wait":
+            return True
+        if mode != "budget":
+            raise ValueError(f"staleness mode must be wait, drop or budget, got {mode!r}")
+        dropped = self.state.num_dropped + due_slots
+        return dropped > drop_budget * (self.state.num_consumed + dropped)
 
     def drop(self, count: int) -> None:
         """Frees slots of trajectories discarded for another reason (e.g. dynamic sampling)."""

@@ -163,7 +163,7 @@ def test_the_gpu_configs_are_real_cluster_configs():
         (
             "qwen3_4b_r2e",
             "training.staleness_mode=never",
-            "training.staleness_mode must be one of ('wait', 'drop')",
+            "training.staleness_mode must be one of ('wait', 'drop', 'budget')",
         ),
         ("qwen3_4b_r2e", "endpoint.agent=no_colon", "endpoint.agent must be 'package.module:function'"),
     ],

@@ -74,16 +74,20 @@ def test_async_policies_respect_their_staleness_bound(comparison):
 
 def test_waiting_for_the_tail_keeps_every_finished_trajectory():
     """`wait`: the trainer waits for trajectories launched max_staleness versions ago, so none
-    is dropped and the bound holds; `drop` never waits and drops the tail (the long ones)."""
+    is dropped and the bound holds; `drop` never waits and drops the tail (the long ones);
+    `budget` drops it only while the dropped share stays within its budget."""
+    budget = 0.03
     results = {
         mode: run_comparison(
-            tiny_config(num_steps=8, staleness_mode=mode, policies=("libra",)), log=lambda line: None
+            tiny_config(num_steps=8, staleness_mode=mode, drop_budget=budget, policies=("libra",)),
+            log=lambda line: None,
         ).results["libra"]
-        for mode in ("wait", "drop")
+        for mode in ("wait", "drop", "budget")
     }
     bound = tiny_config().batch.max_staleness
     assert results["wait"].dropped_share <= 0.02 and max(results["wait"].staleness) <= bound
-    assert results["drop"].dropped > 0 and max(results["drop"].staleness) <= bound
+    assert results["drop"].dropped_share > budget and max(results["drop"].staleness) <= bound
+    assert 0 < results["budget"].dropped_share <= budget and max(results["budget"].staleness) <= bound
 
 
 def test_a_tail_bound_keeps_the_late_trajectories_within_it():

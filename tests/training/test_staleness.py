@@ -127,3 +127,20 @@ def test_tail_staleness_is_saved_and_checked():
     assert gate.state_dict()["tail_staleness"] == 2
     with pytest.raises(ValueError, match="tail_staleness must be >= 0"):
         StalenessGate(max_staleness=1, batch_size=4, tail_staleness=-1)
+
+
+def test_the_tail_is_waited_for_by_mode_and_within_the_drop_budget():
+    """`drop` never waits, `wait` always waits for rollouts the next step must train on, and
+    `budget` waits only when dropping them all would take the dropped share of the slots that
+    ended (trained or dropped) past the budget."""
+    gate = StalenessGate(max_staleness=1, batch_size=100)
+    gate.try_start(200)
+    gate.on_train_step(98)
+    gate.drop(1)
+    assert not gate.waits_for_due(5, "drop") and gate.waits_for_due(5, "wait")
+    assert not gate.waits_for_due(0, "wait") and not gate.waits_for_due(0, "budget", 0.02)
+    assert not gate.waits_for_due(1, "budget", 0.02)  # 2 of 100 ended: at the budget
+    assert gate.waits_for_due(2, "budget", 0.02)  # 3 of 101: past it
+    assert not gate.waits_for_due(2, "budget", 0.05)
+    with pytest.raises(ValueError, match="staleness mode"):
+        gate.waits_for_due(1, "sometimes")
