@@ -9,11 +9,11 @@ Asynchrony comes from the gate: with `max_staleness` s, rollouts may be started 
 (version + s + 1) batches, so while the trainer takes step n the instances are already
 generating step n+1's groups (and switch to the new weights between tokens when they arrive).
 No trajectory whose oldest token is more than s + t versions old is trained on (t:
-`training.tail_staleness`, extra versions for the late ones, which do not deepen the launch): by
-default such a group is dropped, whole, when its batch is formed; with
-`training.staleness_mode=wait` the trainer instead waits, before a step, for the groups launched
-s + t versions ago, so the long tail is trained on rather than thrown away; with `budget` it
-waits for them only when dropping them would take the run's dropped share past
+`training.tail_staleness`, extra versions for the late ones, which do not deepen the launch): with
+`training.staleness_mode=drop` such a group is dropped, whole, when its batch is formed; with
+`wait` the trainer instead waits, before a step, for the groups launched s + t versions ago, so
+the long tail is trained on rather than thrown away; with `budget` (the default) it waits for
+them only when dropping them would take the run's share dropped as too stale past
 `training.drop_budget`.
 Training and weight export are blocking gRPC calls made from a thread, so the event loop keeps
 driving every trajectory meanwhile.

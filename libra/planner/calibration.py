@@ -76,9 +76,11 @@ def fit_factors(
     factors being fitted: compute when c / m >= compute / memory. So the sides are those of one
     threshold on c / m, and the fit tries each: below every pair's ratio, between each two, above
     all -- a linear fit each, tens of small fits for tens of measurements -- and keeps the one
-    whose factors predict the measurements best. A factor no measurement shows (the compute
-    efficiency when every pair is on its memory side) keeps its prior, raised where needed to the
-    least value that leaves those pairs on that side."""
+    whose factors predict the measurements best, among the splits that put at least
+    `MIN_SIDE_MEASUREMENTS` on a side whose efficiency they alone would set (of all, if none
+    does). A factor no
+    measurement shows (the compute efficiency when every pair is on its memory side) keeps its
+    prior, raised where needed to the least value that leaves those pairs on that side."""
     unknown = [n for n in fixed if n not in FACTOR_NAMES]
     if unknown:
         raise ValueError(f"fixed names unknown factors {unknown}; known: {list(FACTOR_NAMES)}")
@@ -89,7 +91,7 @@ def fit_factors(
     # A threshold between each two ratios (not at one, where rounding could flip that pair).
     thresholds = [ratios[0] / 2] if ratios else []
     thresholds += [math.sqrt(a * b) for a, b in itertools.pairwise(ratios)] + [math.inf]
-    best, best_error = prior, math.inf
+    fits = []  # (set by too few, error, factors) of each split
     for ratio in thresholds:
         # Factors whose compute / memory is `ratio` put exactly the pairs at or above it on their
         # compute side.
@@ -98,10 +100,35 @@ def fit_factors(
         factors = _kept_on_their_sides(
             _fit_linear(features, measurements, prior, fixed), features, pairs, ratio, fixed
         )
-        error = _relative_error(factors, measurements)
-        if error < best_error:
-            best, best_error = factors, error
-    return best
+        too_few = not _each_side_set_by_enough(measurements, features, ratio, fixed)
+        fits.append((too_few, _relative_error(factors, measurements), factors))
+    # The best admissible split; with none (a handful of measurements), the best of all.
+    return min(fits, key=lambda fit: fit[:2])[2]
+
+
+MIN_SIDE_MEASUREMENTS = 2
+"""Measurements a split must put on a side before that side's efficiency may be fitted from them
+alone."""
+
+
+def _each_side_set_by_enough(
+    measurements: list[Measurement], features: np.ndarray, ratio: float, fixed: tuple[str, ...]
+) -> bool:
+    """Whether the split at `ratio` lets no efficiency be set by fewer than
+    `MIN_SIDE_MEASUREMENTS` measurements: one noisy step put alone on its side would fit that
+    side's efficiency exactly (a review's trials: memory 4.5x off)."""
+    for column, name in ((0, "compute"), (1, "memory")):
+        plain = [m.breakdown.compute_s if column == 0 else m.breakdown.memory_s for m in measurements]
+        if name in fixed or any(plain) or not features[:, column].any():
+            continue  # fixed, seen outside the pairs, or not fitted at all
+        on_side = sum(
+            1
+            for m in measurements
+            if any((c / ratio >= mem) == (column == 0) for c, mem in m.breakdown.overlapped)
+        )
+        if on_side < MIN_SIDE_MEASUREMENTS:
+            return False
+    return True
 
 
 def _kept_on_their_sides(
@@ -115,10 +142,10 @@ def _kept_on_their_sides(
     pair the fit counted on its memory (compute) side -- c / m below (at or above) `ratio` --
     stays there."""
     if "compute" not in fixed and not features[:, 0].any():
-        needed = max((c * factors.memory / m for c, m in pairs if m > 0 and c / m < ratio), default=0.0)
+        needed = max((c * factors.memory / m for c, m in pairs if m > 0 and c / ratio < m), default=0.0)
         factors = dataclasses.replace(factors, compute=max(factors.compute, needed * (1 + 1e-9)))
     if "memory" not in fixed and not features[:, 1].any():
-        needed = max((m * factors.compute / c for c, m in pairs if c > 0 and c / m >= ratio), default=0.0)
+        needed = max((m * factors.compute / c for c, m in pairs if c > 0 and c / ratio >= m), default=0.0)
         factors = dataclasses.replace(factors, memory=max(factors.memory, needed * (1 + 1e-9)))
     return factors
 

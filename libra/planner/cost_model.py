@@ -16,7 +16,7 @@ profile's measured floors (`HardwareProfile.allreduce_latency_s` per all-reduce,
 engine's `engine_step_overhead_s` per step): not shares of a peak, so no efficiency scales them
 and calibration moves them to the measured side (its `overhead_s` fits what is left). This is
 what makes calibration a least-squares problem that is linear once each overlapped pair's bound
-side is known (`libra.planner.calibration` finds it by iterating).
+side is known (`libra.planner.calibration` tries each way the pairs can split).
 """
 
 from __future__ import annotations

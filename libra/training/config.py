@@ -106,13 +106,14 @@ class TrainingConfig:
     (30 steps, one run each): `drop` 799 trained tokens/s with 2.4 % of finished trajectories
     dropped, `wait` 636 tokens/s with none dropped, the same held-out reward after. A tail of a
     few versions usually keeps nearly all of them without the wait (`docs/scheduling.md`).
-    `budget` (the default): as `drop` while the dropped share of the groups ended so far stays
-    within `drop_budget`, and as `wait` for the groups whose drop would take it past that; at
+    `budget` (the default): as `drop` while the share of groups dropped as too stale stays
+    within `drop_budget`, and as `wait` (for all the due groups) when dropping them would take it
+    past that; at
     160 x 910B in the simulator it dropped 1.6 % where `drop` dropped 2.2 %, at 0.2 % less trained
     tokens/s."""
     drop_budget: float = 0.02
-    """`staleness_mode=budget`: the largest share of ended groups' slots (trained or dropped) the
-    run may drop as too stale."""
+    """`staleness_mode=budget`: the largest share of groups' slots, of those trained or dropped as
+    too stale, the run may drop as too stale."""
     train_batch_size: int | None = None
     """Trajectories consumed per train step (the staleness gate's capacity unit). In a run's config
     it is derived, `job.prompts_per_step x job.group_size` (`LibraConfig.resolved`): leave it

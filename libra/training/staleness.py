@@ -40,6 +40,8 @@ class StalenessState:
     """Trajectories trained on."""
     num_dropped: int = 0
     """Trajectories dropped: too stale, filtered, or lost in flight."""
+    num_dropped_stale: int = 0
+    """Of those, dropped as too stale (what `StalenessGate.waits_for_due` holds to its budget)."""
 
     @property
     def num_in_flight(self) -> int:
@@ -106,6 +108,7 @@ class StalenessGate:
         self._arrive(len(oldest_versions))
         decisions = [self.is_fresh(v) for v in oldest_versions]
         self.state.num_dropped += decisions.count(False)
+        self.state.num_dropped_stale += decisions.count(False)
         return decisions
 
     def admit_group(self, oldest_versions: list[int | None], slots: int) -> bool:
@@ -118,6 +121,7 @@ class StalenessGate:
         fresh = all(self.is_fresh(v) for v in oldest_versions)
         if not fresh:
             self.state.num_dropped += slots
+            self.state.num_dropped_stale += slots
         return fresh
 
     def _arrive(self, count: int) -> None:
@@ -134,16 +138,19 @@ class StalenessGate:
     def waits_for_due(self, due_slots: int, mode: str, drop_budget: float = 0.0) -> bool:
         """Whether the trainer waits, before its next step, for the `due_slots` rollouts still
         running that the step would leave too stale (`must_train`): always in `wait` mode, never
-        in `drop` (they are dropped if they finish), and in `budget` mode when dropping them
-        would take the share of dropped slots, out of all that ended (trained or dropped), past
-        `drop_budget` -- so a run drops its long tail only while the drops stay that rare."""
+        in `drop` (they are dropped if they finish), and in `budget` mode when dropping them all
+        would take the share of slots dropped as too stale, out of all that were trained or so
+        dropped, past `drop_budget` -- so a run drops its long tail only while the drops stay
+        that rare. It waits for all of them then, not just enough to stay within the budget;
+        early in a run, with few slots trained, that is nearly always (as `wait`). Slots freed
+        for other reasons (a restart, a group with nothing to train on) do not count."""
         if due_slots <= 0 or mode == "drop":
             return False
         if mode == "wait":
             return True
         if mode != "budget":
             raise ValueError(f"staleness mode must be wait, drop or budget, got {mode!r}")
-        dropped = self.state.num_dropped + due_slots
+        dropped = self.state.num_dropped_stale + due_slots
         return dropped > drop_budget * (self.state.num_consumed + dropped)
 
     def drop(self, count: int) -> None:
@@ -172,6 +179,7 @@ class StalenessGate:
             num_started=saved["num_started"],
             num_consumed=saved["num_consumed"],
             num_dropped=saved["num_dropped"],
+            num_dropped_stale=saved.get("num_dropped_stale", 0),  # absent before the budget mode
         )
         if state.num_in_flight < 0:
             raise ValueError(f"inconsistent staleness state {saved}: more finished than started")

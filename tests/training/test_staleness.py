@@ -136,7 +136,11 @@ def test_the_tail_is_waited_for_by_mode_and_within_the_drop_budget():
     gate = StalenessGate(max_staleness=1, batch_size=100)
     gate.try_start(200)
     gate.on_train_step(98)
-    gate.drop(1)
+    assert gate.admit([0]) == [True] and gate.state.version == 1
+    gate.on_train_step(0)
+    gate.on_train_step(0)
+    assert gate.admit([0]) == [False]  # 3 versions behind: dropped as too stale
+    gate.drop(20)  # freed for another reason (nothing to train on): not the budget's business
     assert not gate.waits_for_due(5, "drop") and gate.waits_for_due(5, "wait")
     assert not gate.waits_for_due(0, "wait") and not gate.waits_for_due(0, "budget", 0.02)
     assert not gate.waits_for_due(1, "budget", 0.02)  # 2 of 100 ended: at the budget
@@ -144,3 +148,20 @@ def test_the_tail_is_waited_for_by_mode_and_within_the_drop_budget():
     assert not gate.waits_for_due(2, "budget", 0.05)
     with pytest.raises(ValueError, match="staleness mode"):
         gate.waits_for_due(1, "sometimes")
+
+
+def test_the_drop_budget_survives_a_restart_without_counting_the_released_slots():
+    gate = StalenessGate(max_staleness=1, batch_size=10)
+    gate.try_start(20)
+    gate.on_train_step(9)
+    gate.on_train_step(0)
+    assert gate.admit([0]) == [False]  # 2 versions behind a bound of 1: dropped as too stale
+    restored = StalenessGate(max_staleness=1, batch_size=10)
+    restored.load_state_dict(gate.state_dict())
+    assert restored.state.num_dropped == 1 + 10  # the 10 in flight are released on restart
+    assert restored.state.num_dropped_stale == 1
+    # 2 of 11 past a 20 % budget would not be; with the 10 released slots counted it would.
+    assert not restored.waits_for_due(1, "budget", 0.2) and not gate.waits_for_due(1, "budget", 0.2)
+    old = {k: v for k, v in gate.state_dict().items() if k != "num_dropped_stale"}
+    restored.load_state_dict(old)  # a checkpoint from before the counter
+    assert restored.state.num_dropped_stale == 0
