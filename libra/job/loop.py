@@ -384,16 +384,23 @@ class GrpoJob:
         return batch
 
     async def _collect_finished(self) -> None:
-        """Waits until at least one group has finished, and -- in `wait` mode, or in `budget` mode
-        when dropping them would exceed the budget (`StalenessGate.waits_for_due`) -- every group
-        this step must train on (`StalenessGate.must_train`); moves every finished one over. The groups it
-        waits for are the oldest, so the batch takes them first."""
+        """Waits until at least one group has finished, and for the groups this step must train
+        on (`StalenessGate.must_train`): in `wait` mode all of them, in `budget` mode until
+        dropping those left would stay within the budget (`StalenessGate.waits_for_due`); moves
+        every finished one over. The groups it waits for are the oldest, so the batch takes them
+        first."""
         training = self.config.training
-        due = [t for i, t in self.in_flight.items() if self.gate.must_train(self.launched[i].started_version)]
-        if self.gate.waits_for_due(
-            len(due) * self.job.group_size, training.staleness_mode, training.drop_budget
-        ):
-            await asyncio.wait(due)
+        while True:
+            due = [
+                t
+                for i, t in self.in_flight.items()
+                if not t.done() and self.gate.must_train(self.launched[i].started_version)
+            ]
+            slots = len(due) * self.job.group_size
+            if not self.gate.waits_for_due(slots, training.staleness_mode, training.drop_budget):
+                break
+            # `wait`: until none is left; `budget`: until those left fit the budget.
+            await asyncio.wait(due, return_when=asyncio.FIRST_COMPLETED)
         if not any(t.done() for t in self.in_flight.values()):
             await asyncio.wait(self.in_flight.values(), return_when=asyncio.FIRST_COMPLETED)
         for index in [i for i, t in self.in_flight.items() if t.done()]:

@@ -141,9 +141,9 @@ class StalenessGate:
         in `drop` (they are dropped if they finish), and in `budget` mode when dropping them all
         would take the share of slots dropped as too stale, out of all that were trained or so
         dropped, past `drop_budget` -- so a run drops its long tail only while the drops stay
-        that rare. It waits for all of them then, not just enough to stay within the budget;
-        early in a run, with few slots trained, that is nearly always (as `wait`). Slots freed
-        for other reasons (a restart, a group with nothing to train on) do not count."""
+        that rare. Asked again as they finish, it stops waiting once those left fit the budget;
+        early in a run, with few slots trained, it waits as `wait` does. Slots freed for other
+        reasons (a restart, a group with nothing to train on) do not count."""
         if due_slots <= 0 or mode == "drop":
             return False
         if mode == "wait":
