@@ -357,9 +357,9 @@ class GrpoJob:
         token or (whole) too stale is dropped (its gate slots freed) and replaced by a newer one.
         A group holds `group_size` gate slots whatever it brings back (an agent's session may
         bring several segments, a trajectory may hold no model token), so the gate counts groups
-        and the trainer gets every trajectory of the groups taken. In `wait` mode (and `budget`
-        mode, past its budget) the batch waits for every group that would be too stale after this
-        step (`training.staleness_mode`)."""
+        and the trainer gets every trajectory of the groups taken. In `wait` mode the batch waits
+        for every group that would be too stale after this step, in `budget` mode until dropping
+        those left stays within the budget (`training.staleness_mode`, `_collect_finished`)."""
         batch: list[Trajectory] = []
         self._last_dropped = self._batch_slots = 0
         slots = self.job.group_size

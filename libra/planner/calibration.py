@@ -78,9 +78,9 @@ def fit_factors(
     all -- a linear fit each, tens of small fits for tens of measurements -- and keeps the one
     whose factors predict the measurements best, among the splits that put at least
     `MIN_SIDE_MEASUREMENTS` on a side whose efficiency they alone would set (of all, if none
-    does). A factor no
-    measurement shows (the compute efficiency when every pair is on its memory side) keeps its
-    prior, raised where needed to the least value that leaves those pairs on that side."""
+    does). A factor no measurement shows (the compute efficiency when every pair is on its
+    memory side) keeps its prior, raised where needed to the least value that leaves those pairs
+    on that side."""
     unknown = [n for n in fixed if n not in FACTOR_NAMES]
     if unknown:
         raise ValueError(f"fixed names unknown factors {unknown}; known: {list(FACTOR_NAMES)}")
@@ -124,7 +124,7 @@ def _each_side_set_by_enough(
         on_side = sum(
             1
             for m in measurements
-            if any((c / ratio >= mem) == (column == 0) for c, mem in m.breakdown.overlapped)
+            if any(_on_compute_side(c, mem, ratio) == (column == 0) for c, mem in m.breakdown.overlapped)
         )
         if on_side < MIN_SIDE_MEASUREMENTS:
             return False
@@ -142,12 +142,24 @@ def _kept_on_their_sides(
     pair the fit counted on its memory (compute) side -- c / m below (at or above) `ratio` --
     stays there."""
     if "compute" not in fixed and not features[:, 0].any():
-        needed = max((c * factors.memory / m for c, m in pairs if m > 0 and c / ratio < m), default=0.0)
+        needed = max(
+            (c * factors.memory / m for c, m in pairs if m > 0 and not _on_compute_side(c, m, ratio)),
+            default=0.0,
+        )
         factors = dataclasses.replace(factors, compute=max(factors.compute, needed * (1 + 1e-9)))
     if "memory" not in fixed and not features[:, 1].any():
-        needed = max((m * factors.compute / c for c, m in pairs if c > 0 and c / ratio >= m), default=0.0)
+        needed = max(
+            (m * factors.compute / c for c, m in pairs if c > 0 and _on_compute_side(c, m, ratio)),
+            default=0.0,
+        )
         factors = dataclasses.replace(factors, memory=max(factors.memory, needed * (1 + 1e-9)))
     return factors
+
+
+def _on_compute_side(compute_s: float, memory_s: float, ratio: float) -> bool:
+    """Whether the split at `ratio` counts an overlapped pair on its compute side: as
+    `TimeBreakdown.features` does under factors whose compute / memory is `ratio`."""
+    return compute_s / ratio >= memory_s
 
 
 def _relative_error(factors: EfficiencyFactors, measurements: list[Measurement]) -> float:
