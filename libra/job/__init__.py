@@ -7,7 +7,8 @@ GRPO loop with bounded staleness (`loop`); group rollout with rewards and traces
 publication to instances (`publication`: the trainer's PublishWeights, then every instance's
 LoadWeights, retried through `libra.sync`'s version ledger); the global planner on the controller
 (`cluster`: served as PlannerService) and in the loop with plans carried out on the live cluster,
-its problem built from the job (`problem`), hybrid replicas joining from rollout (`planning`) and
+its problem built from the job (`problem`), its candidates re-scored in the simulator on the
+job's own finished groups (`rescoring`), hybrid replicas joining from rollout (`planning`) and
 training restarted in a new layout (`training_restart`); checkpoints and resume (`loop`); and the
 run folder: metrics, TensorBoard, trajectories, live progress and the report (`recorder`,
 `progress`, `report`).

@@ -73,14 +73,14 @@ class JobCluster:
         assert self.controller is not None
         return self.controller.token
 
-    def start(self, planning_problem=None) -> JobCluster:
+    def start(self, planning_problem=None, rescorer=None) -> JobCluster:
         """Starts the controller (with `planning_problem`, a `libra.planner.PlanningProblem`, it
         also runs the global planner, serves it as PlannerService and publishes its decisions as
-        events) and waits for the node agents."""
+        events; `rescorer`: how the planner re-scores its candidates) and waits for the node agents."""
         self.controller = Controller(self.config)
         services = []
         if planning_problem is not None:
-            self.planner, service = serve_planner(planning_problem, self.controller.events)
+            self.planner, service = serve_planner(planning_problem, self.controller.events, rescorer)
             services.append(service)
         self.controller.start(services)
         (self.run_dir / "controller.addr").write_text(self.controller.address + "\n")

@@ -70,6 +70,11 @@ class JobConfig:
     speed by the planner's calibrated model (`Planner.priced_buckets`, again at every bucket
     change and after every step), so a trajectory moves to a larger bucket only when the decoding
     that saves beats re-prefilling its context there (`scheduler.BucketConfig.speed`)."""
+    planner_rescore_steps: int = 4
+    """With the planner on: before adopting a re-plan, the planner simulates each candidate plan
+    (the running one, its model's optimum, the best pool of each TP size) for this many steps on
+    the job's latest finished groups and keeps the one with the most trained tokens/s
+    (`libra.job.rescoring`); 0: its cost model decides alone."""
     eval_tasks: int = 96
     """Held-out tasks (never trained on) rolled out before the first step and after the last, with
     the training's sampling: the policy's reward before and after on the same prompts, free of the
@@ -98,6 +103,10 @@ class JobConfig:
         if self.eval_tasks < 0:
             raise ValueError(
                 f"job.eval_tasks must be >= 0 (0: no held-out evaluation), got {self.eval_tasks}"
+            )
+        if self.planner_rescore_steps < 0:
+            raise ValueError(
+                f"job.planner_rescore_steps must be >= 0 (0: no re-scoring), got {self.planner_rescore_steps}"
             )
         if self.eval_samples < 1:
             raise ValueError(f"job.eval_samples must be >= 1, got {self.eval_samples}")

@@ -165,7 +165,14 @@ class GrpoJob:
 
             w = self.workers
             self.planning = JobPlanning(
-                self.config, w.cluster, w.fleet, w.instances, w.train_ranks, w.planning_problem, self.recorder
+                self.config,
+                w.cluster,
+                w.fleet,
+                w.instances,
+                w.train_ranks,
+                w.planning_problem,
+                self.recorder,
+                w.rescorer,
             )
             self.planning.adopt_launch_layout()
             self.workers.instances.on_gone = self.planning.on_instance_gone

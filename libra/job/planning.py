@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from libra.job.fleet import Fleet
     from libra.job.instances import RolloutInstances
     from libra.job.recorder import RunRecorder
+    from libra.job.rescoring import JobRescorer
     from libra.job.train_ranks import TrainRankGroup
     from libra.planner.config import PlanningProblem
 
@@ -301,6 +302,7 @@ class JobPlanning:
         train_ranks: TrainRankGroup,
         problem: PlanningProblem,
         recorder: RunRecorder,
+        rescorer: JobRescorer | None = None,
     ):
         controller, planner = cluster.controller, cluster.planner
         if controller is None or planner is None:
@@ -309,6 +311,8 @@ class JobPlanning:
         self.instances, self.train_ranks, self.problem = instances, train_ranks, problem
         self.recorder = recorder
         self.planner = planner
+        self.rescorer = rescorer
+        """The planner's rescorer (`libra.job.rescoring`), fed each finished group; None: none."""
         self.events = controller.events
         self._event_sequence = 0
         self.history: collections.deque[RequestRecord] = collections.deque(
@@ -438,8 +442,11 @@ class JobPlanning:
     # -- each step -------------------------------------------------------------------------------
 
     def record(self, traces) -> None:
-        """The traces of a finished group join the history."""
+        """The traces of a finished group join the history (and the groups the planner's
+        rescorer replays)."""
         self.history.extend(RequestRecord.from_trace(trace) for trace in traces)
+        if self.rescorer is not None:
+            self.rescorer.record(traces)
 
     async def after_step(self, times: StepTimes) -> None:
         """Called by the loop after each step: finishes a completed execution, feeds the planner

@@ -44,6 +44,7 @@ class JobWorkers:
         self.train_ranks: TrainRankGroup | None = None
         self.instances: RolloutInstances | None = None
         self.endpoint = self.agent_runner = None
+        self.rescorer = None
 
     async def start(self, recorder: RunRecorder) -> None:
         from libra.rollout.tools.sandbox import SandboxPool
@@ -56,7 +57,8 @@ class JobWorkers:
         self.planning_problem = self._planning_problem()
         if not self.job.rollout_tp_sizes:
             self._plan_launch_layout()
-        await asyncio.to_thread(self.cluster.start, self.planning_problem)
+        self.rescorer = self._rescorer()
+        await asyncio.to_thread(self.cluster.start, self.planning_problem, self.rescorer)
         self.publication = WeightPublication(
             recorder, self.cluster.token, self.config.control, self.job.keep_weight_versions
         )
@@ -145,6 +147,18 @@ class JobWorkers:
         from libra.job.problem import planning_problem
 
         return planning_problem(self.config, self.source.model_dir)
+
+    def _rescorer(self):
+        """The planner's rescorer on the job's finished groups (`libra.job.rescoring`; None: the
+        planner is off or `job.planner_rescore_steps` is 0). It reads the factors of the planner
+        the cluster starts next."""
+        if self.planning_problem is None or self.job.planner_rescore_steps < 1:
+            return None
+        from libra.job.rescoring import JobRescorer
+
+        return JobRescorer(
+            self.config, self.planning_problem, lambda: self.cluster.planner.calibrated_factors()
+        )
 
     def _bucket_pricing(self) -> Callable[[Sequence[BucketConfig]], tuple[BucketConfig, ...]] | None:
         """The planner's `priced_buckets` when C-MLFQ prices its moves (`job.price_moves`, with

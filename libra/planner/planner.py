@@ -142,7 +142,7 @@ class Planner:
         calibrated rollout model on the current history, so that C-MLFQ promotes a trajectory only
         where the move pays. Takes no lock: the rollout pool's event loop calls it, and must not
         wait for a search; the problem and the scales are replaced whole, never changed in place."""
-        problem, (_, rollout) = self._problem, self._calibrated()
+        problem, (_, rollout) = self._problem, self.calibrated_factors()
         cost = RolloutCostModel(problem.cluster, problem.model, problem.config, rollout)
         return with_speeds(buckets, cost, problem.history)
 
@@ -162,7 +162,7 @@ class Planner:
             return self._choose_initial("initial plan")
 
     def _choose_initial(self, why: str) -> Adoption:
-        plan = search(self._problem, *self._calibrated())
+        plan = search(self._problem, *self.calibrated_factors())
         if self._rescorer is None:
             return self._adopt(plan, why)
         rescoring = self._rescore(plan)
@@ -180,7 +180,10 @@ class Planner:
                 return None
             return self._replan(reason)
 
-    def _calibrated(self) -> tuple[EfficiencyFactors, EfficiencyFactors]:
+    def calibrated_factors(self) -> tuple[EfficiencyFactors, EfficiencyFactors]:
+        """(training, rollout) factors scaled by how the running plan's measured steps compared with
+        its predictions: the planner's best knowledge of the hardware. Takes no lock (the scales are
+        replaced whole), so a rescorer running under the planner's lock may read them."""
         train, rollout = self._factors
         scales = self._calibration.scales
         return scaled_factors(train, scales.train), scaled_factors(rollout, scales.rollout)
@@ -199,13 +202,13 @@ class Planner:
             self._calibration.update(price_at)
         except ValueError:  # e.g. the grown sequences no longer fit its training memory
             return math.inf
-        return evaluate_plan(self._problem, self.current, *self._calibrated()).predicted_step_s
+        return evaluate_plan(self._problem, self.current, *self.calibrated_factors()).predicted_step_s
 
     def _replan(self, reason: TriggerReason) -> Adoption | None:
         if self.current is None:
             return self._choose_initial(f"initial plan ({reason.value})")
         current_s = self._price_current()
-        candidate = search(self._problem, *self._calibrated())
+        candidate = search(self._problem, *self.calibrated_factors())
         # A gain within the calibration's own spread across layouts is no evidence of one.
         policy = dataclasses.replace(
             self.policy, min_gain_ratio=max(self.policy.min_gain_ratio, self._calibration.spread)
@@ -216,6 +219,7 @@ class Planner:
             return None
         # Re-scoring chooses between layouts: a candidate on the running one (new thresholds,
         # the same instances) is the model's call alone.
+        rescored = ""
         if self._rescorer is not None and candidate.layout_key != self.current.layout_key:
             # A running plan that no longer fits (priced inf) is not among those scored.
             fits = math.isfinite(current_s)
@@ -234,12 +238,12 @@ class Planner:
                         f"{rescoring.describe()} ({decision.reason})",
                     )
                     return None
-            candidate = best
+            candidate, rescored = best, f"; re-scored: {rescoring.describe()}"
         if not self.policy.auto_apply:
             self.candidate = candidate
-            self._emit("proposed", f"{reason.value}: {self._why(decision)}; awaiting ProposePlan")
+            self._emit("proposed", f"{reason.value}: {self._why(decision)}{rescored}; awaiting ProposePlan")
             return None
-        return self._adopt(candidate, f"{reason.value}: {self._why(decision)}")
+        return self._adopt(candidate, f"{reason.value}: {self._why(decision)}{rescored}")
 
     def _decide(
         self, current_s: float, candidate: Plan, candidate_s: float, policy: TriggerPolicy
@@ -251,7 +255,7 @@ class Planner:
     def _rescore(self, optimum: Plan, current: Plan | None = None) -> Rescoring:
         """The candidates (and `current`, first) scored by the rescorer, best first; ties keep
         the running plan, then the model's order."""
-        plans = candidate_plans(self._problem, *self._calibrated(), optimum=optimum)
+        plans = candidate_plans(self._problem, *self.calibrated_factors(), optimum=optimum)
         if current is not None:
             plans = [current, *(p for p in plans if p.layout_key != current.layout_key)]
         scores = list(self._rescorer(plans))
@@ -267,7 +271,7 @@ class Planner:
     def propose(self, plan: Plan, reason: str = "") -> Adoption:
         """Adopts an externally supplied plan after validating and re-pricing it (ValueError if invalid)."""
         with self._lock:
-            priced = evaluate_plan(self._problem, plan, *self._calibrated())
+            priced = evaluate_plan(self._problem, plan, *self.calibrated_factors())
             self.candidate = None
             return self._adopt(priced, f"external plan{': ' + reason if reason else ''}")
 

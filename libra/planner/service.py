@@ -19,7 +19,7 @@ from libra.control.types import EventKind
 from libra.planner import diff
 from libra.planner.config import PlanningProblem, TriggerPolicy
 from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacement
-from libra.planner.planner import Adoption, Planner, PlannerEvent
+from libra.planner.planner import Adoption, Planner, PlannerEvent, PlanRescorer
 from libra.planner.training_cost import TrainingConfig
 from libra.v1 import planner_pb2, planner_pb2_grpc
 
@@ -250,14 +250,15 @@ def publish_plan_events(events: EventBus) -> Callable[[PlannerEvent], None]:
 
 
 def serve_planner(
-    problem: PlanningProblem, events: EventBus
+    problem: PlanningProblem, events: EventBus, rescorer: PlanRescorer | None = None
 ) -> tuple[Planner, Callable[[grpc.Server], list[str]]]:
-    """A planner for `problem` whose decisions are published on `events` (a controller's), and
-    the adder that serves it as `PlannerService` on that controller:
+    """A planner for `problem` (re-scoring its candidates with `rescorer`, if any) whose decisions
+    are published on `events` (a controller's), and the adder that serves it as `PlannerService`
+    on that controller:
 
         controller = Controller(config)
         planner, service = serve_planner(problem, controller.events)
         controller.start(services=[service])
     """
-    planner = Planner(problem, on_event=publish_plan_events(events))
+    planner = Planner(problem, on_event=publish_plan_events(events), rescorer=rescorer)
     return planner, add_planner_service(planner, problem.cluster.devices_per_node)

@@ -2,7 +2,7 @@
 planner with simulated rollout instances and training steps.
 
 Owns workload generators with long tails and drift (`workloads`; they emit the trace format of
-`libra.trace`, which real runs record and the simulator replays), the simulated instance
+`libra.trace`, which real runs record and the simulator replays: `ReplayedGroups`), the simulated instance
 (`instance`: continuous batching with vLLM-style chunked prefill under a per-step token budget,
 over the planner's rollout cost model), the event engine (`engine`), the RL loop of each compared
 policy (`loop`, `pools`; a re-plan that changes the buckets updates the router's at run time),

@@ -272,6 +272,9 @@ class SimConfig:
     name: str = "sim"
     profile: str = "a800"
     """Hardware profile: one of `PROFILES`."""
+    hardware: HardwareProfile | None = None
+    """The profile itself, for a caller that holds one (the job: its backend's, whatever the
+    machine); it replaces `profile`'s."""
     num_nodes: int = 6
     devices_per_node: int = 8
     model: ModelArch = QWEN3_14B
@@ -339,7 +342,7 @@ class SimConfig:
             )
         if not 0 <= self.drop_budget < 1:
             raise ValueError(f"sim.drop_budget must be in [0, 1), got {self.drop_budget}")
-        if self.profile not in PROFILES:
+        if self.hardware is None and self.profile not in PROFILES:
             raise ValueError(f"sim.profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
         if self.tail_staleness < 0:
             raise ValueError(f"sim.tail_staleness must be >= 0, got {self.tail_staleness}")
@@ -389,12 +392,16 @@ class SimConfig:
         with the world size on the CPU only)."""
         if self.max_num_batched_tokens:
             return self.max_num_batched_tokens
-        budget = vllm_max_num_batched_tokens(PROFILES[self.profile], self.vllm_usage_context, tp)
+        budget = vllm_max_num_batched_tokens(self.hardware_profile, self.vllm_usage_context, tp)
         return max(budget, self.planner.max_decode_batch)
 
     @property
+    def hardware_profile(self) -> HardwareProfile:
+        return self.hardware or PROFILES[self.profile]
+
+    @property
     def cluster(self) -> ClusterSpec:
-        return ClusterSpec(self.num_nodes, self.devices_per_node, PROFILES[self.profile])
+        return ClusterSpec(self.num_nodes, self.devices_per_node, self.hardware_profile)
 
     @property
     def num_devices(self) -> int:

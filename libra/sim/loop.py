@@ -46,7 +46,7 @@ from libra.sim.pools import (
     plan_buckets,
     planning_problem,
 )
-from libra.sim.workloads import WorkloadGenerator
+from libra.sim.workloads import GroupSource, WorkloadGenerator
 from libra.trace import TrajectoryTrace
 
 PREFLIGHT_GROUP_OFFSET = 10_000_000
@@ -89,6 +89,7 @@ class PolicyRun:
         history: tuple[RequestRecord, ...],
         workload: WorkloadWindow = WorkloadWindow(),
         rescorer: RescorerFactory | None = None,
+        groups: GroupSource | None = None,
     ):
         self.config = config
         self.workload = workload
@@ -96,7 +97,7 @@ class PolicyRun:
         self.policy = policy
         self.layout = layout
         self.history = deque(history, maxlen=config.history_size)
-        self.generator = WorkloadGenerator(config.workload)
+        self.generator = groups or WorkloadGenerator(config.workload)
         self.batch = config.batch
         self.staleness_bound = (
             0
@@ -615,12 +616,14 @@ def simulate(
     history: tuple[RequestRecord, ...],
     workload: WorkloadWindow = WorkloadWindow(),
     rescorer: RescorerFactory | None = None,
+    groups: GroupSource | None = None,
 ) -> SimResult:
     """Runs one policy from its layout; deterministic for the config (and its seeds). `rescorer`:
-    how its planner re-scores candidate plans (`libra.sim.rescoring`; None: by its model)."""
+    how its planner re-scores candidate plans (`libra.sim.rescoring`; None: by its model).
+    `groups`: where it draws its groups (None: the config's synthetic workload)."""
     started = time.perf_counter()
     run_cls = SyncRun if policy.mode is Mode.COLOCATED_SYNC else AsyncRun
-    run = run_cls(config, policy, layout, history, workload, rescorer)
+    run = run_cls(config, policy, layout, history, workload, rescorer, groups)
     run.run()
     return run.result(time.perf_counter() - started)
 

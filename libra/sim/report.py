@@ -78,10 +78,11 @@ def speedup_lines(comparison: Comparison, reference: str = "libra") -> list[str]
 
 def markdown_report(comparison: Comparison, plots: list[str] | None = None) -> str:
     c = comparison.config
+    profile = c.hardware.name if c.hardware else c.profile
     parts = [
         f"# Simulation: {c.name}",
         "",
-        f"{c.num_devices} x {c.profile} ({c.num_nodes} nodes), model {c.model.num_params / 1e9:.1f}B params, "
+        f"{c.num_devices} x {profile} ({c.num_nodes} nodes), model {c.model.num_params / 1e9:.1f}B params, "
         f"workload {c.workload.name} (drift: lengths +{c.workload.length_drift:.0%}, "
         f"problems +{c.workload.difficulty_drift:.0%}), global batch {c.batch.global_batch} "
         f"(groups of {c.batch.group_size}), max staleness {c.batch.max_staleness}, {c.num_steps} steps, "

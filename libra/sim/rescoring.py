@@ -10,7 +10,8 @@ other, only the simulation can tell which is faster, so the planner simulates it
 Each candidate runs as a static plan under C-MLFQ (its own buckets and thresholds), from the same
 history, on the same groups, with the workload held where the run is now (no drift during the
 short run), so the scores differ only in the plans. The groups are drawn from indices the run
-itself never uses: the planner does not see the run's own future.
+itself never uses: the planner does not see the run's own future. The job re-scores the same
+way on the groups it has finished (`score_plans` with a `ReplayedGroups`, `libra.job.rescoring`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from libra.scheduler.factory import RouterKind
 from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
 from libra.sim.loop import WorkloadWindow, simulate
 from libra.sim.pools import build_layout, planning_problem
+from libra.sim.workloads import GroupSource
 
 RESCORE_GROUP_OFFSET = 20_000_000
 """Re-scoring runs draw their groups from here on (the runs and their preflight use others)."""
@@ -52,16 +54,29 @@ def simulated_rescorer(
     short = replace(config, num_steps=config.planner_rescore_steps)
 
     def rescore(plans: Sequence[Plan]) -> list[float]:
-        now_history, now_progress = history(), progress()
-        window = WorkloadWindow(first_group=RESCORE_GROUP_OFFSET, held_progress=now_progress)
-        return [
-            simulate(
-                short, STATIC_PLAN, build_layout(short, STATIC_PLAN, now_history, plan), now_history, window
-            ).trained_tokens_per_s
-            for plan in plans
-        ]
+        window = WorkloadWindow(first_group=RESCORE_GROUP_OFFSET, held_progress=progress())
+        return score_plans(short, plans, history(), window)
 
     return rescore
+
+
+def score_plans(
+    config: SimConfig,
+    plans: Sequence[Plan],
+    history: tuple[RequestRecord, ...],
+    window: WorkloadWindow,
+    policy: PolicySpec = STATIC_PLAN,
+    groups: GroupSource | None = None,
+) -> list[float]:
+    """Each plan's trained tokens/s, run static (`policy`: under C-MLFQ unless it names another
+    router) for `config.num_steps` steps on the same groups (`groups`, else the config's workload,
+    from `window`)."""
+    return [
+        simulate(
+            config, policy, build_layout(config, policy, history, plan), history, window, groups=groups
+        ).trained_tokens_per_s
+        for plan in plans
+    ]
 
 
 def rescored_initial_plan(config: SimConfig, history: tuple[RequestRecord, ...]) -> tuple[Plan, Rescoring]:

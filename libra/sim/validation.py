@@ -20,7 +20,6 @@ synthetic workload. Predicted and measured step times are compared from step `sk
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,7 +42,7 @@ from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
 from libra.sim.loop import AsyncRun
 from libra.sim.metrics import SimResult
 from libra.sim.pools import Layout
-from libra.sim.workloads import WorkloadConfig
+from libra.sim.workloads import ReplayedGroups, WorkloadConfig
 from libra.trace import TrajectoryTrace, read_traces
 
 REPLAY_POLICY = PolicySpec(
@@ -211,33 +210,6 @@ def calibrate_from_run(record: RunRecord, config: SimConfig, training: TrainingC
     )
 
 
-class _Replay:
-    """Draws the run's own groups, in their order (`WorkloadGenerator.group`'s interface); wraps
-    around if the simulated run asks for more groups than the real one drew."""
-
-    def __init__(self, traces: tuple[TrajectoryTrace, ...]):
-        groups: dict[str, list[TrajectoryTrace]] = defaultdict(list)
-        for trace in traces:
-            groups[trace.group_id].append(trace)
-        self.groups = [groups[g] for g in sorted(groups, key=_group_number)]
-
-    def group(self, index: int, progress: float = 0.0) -> list[TrajectoryTrace]:
-        traces = self.groups[index % len(self.groups)]
-        if index < len(self.groups):
-            return traces
-        lap = index // len(self.groups)
-        return [_renamed(t, f"{t.trajectory_id}~{lap}", f"{t.group_id}~{lap}") for t in traces]
-
-
-def _group_number(group_id: str) -> tuple[int, str]:
-    digits = "".join(c for c in group_id if c.isdigit())
-    return (int(digits) if digits else math.inf, group_id)
-
-
-def _renamed(trace: TrajectoryTrace, trajectory_id: str, group_id: str) -> TrajectoryTrace:
-    return TrajectoryTrace(trajectory_id, trace.prompt_id, group_id, trace.prompt_tokens, trace.turns)
-
-
 def validate_run(
     run_dir: str | Path, max_staleness: int = 1, skip_steps: int = 1, micro_batch: int = 16
 ) -> ValidationReport:
@@ -255,8 +227,8 @@ def validate_run(
     )
     layout = Layout(training, tuple(range(n_train)), instances, (1, 2), (256, 4096))
     history = tuple(RequestRecord.from_trace(t) for t in record.traces)
-    run = AsyncRun(config, REPLAY_POLICY, layout, _history(history, config.history_size))
-    run.generator = _Replay(record.traces)
+    replay = ReplayedGroups.of_traces(record.traces)
+    run = AsyncRun(config, REPLAY_POLICY, layout, _history(history, config.history_size), groups=replay)
     run.run()
     result = run.result(0.0)
     predicted = _intervals([s.ended_at for s in result.steps])
@@ -267,7 +239,7 @@ def validate_run(
         calibration=calibration,
         sim=result,
         notes=[
-            f"{len(record.traces)} trajectories in {len(_Replay(record.traces).groups)} groups, "
+            f"{len(record.traces)} trajectories in {len(replay.groups)} groups, "
             f"{record.num_rollout_instances} rollout instances, {n_train} train rank(s), "
             f"{len(record.occupancy)} decode and {len(record.steps)} training measurements"
         ],

@@ -19,13 +19,19 @@ epochs it is drawn in (what C-MLFQ's per-prompt trees learn).
 Drift: as training goes on (`progress` from 0 to 1) turns get longer by `length_drift` and prompts
 harder by `difficulty_drift` (relative), so a split that was right at step 0 is not at step 100.
 Generation is deterministic per (seed, group index), whatever order groups are asked for in.
+
+A real run's own groups replay through the same interface (`ReplayedGroups`, a `GroupSource`):
+the simulator then runs on what the job measured instead of a synthetic workload.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from libra.trace import TrajectoryTrace, TurnTrace
 from libra.trajectory import ToolStatus
@@ -168,6 +174,12 @@ class _Prompt:
     opens: bool
 
 
+class GroupSource(Protocol):
+    """Where a simulated run draws its groups: `group(i, progress)` is the i-th group of the run."""
+
+    def group(self, index: int, progress: float = 0.0) -> list[TrajectoryTrace]: ...
+
+
 class WorkloadGenerator:
     """Groups of trajectory traces, indexed: `group(i, progress)` is the i-th group of the run."""
 
@@ -251,6 +263,42 @@ class WorkloadGenerator:
         final = min(turn_length(), spec.max_new_tokens - generated, spec.context_limit - context - 1)
         turns.append(TurnTrace(max(1, final)))
         return TrajectoryTrace(trajectory_id, prompt.prompt_id, group_id, prompt.prompt_tokens, tuple(turns))
+
+
+class ReplayedGroups:
+    """A real run's groups, replayed in their order (a `GroupSource`; no drift: `progress` is what
+    the run measured). A simulated run that asks for more groups than there are goes round them
+    again, each lap's trajectories renamed so that no two live ones share an id."""
+
+    def __init__(self, groups: Sequence[Sequence[TrajectoryTrace]]):
+        self.groups = [list(g) for g in groups if g]
+        if not self.groups:
+            raise ValueError("no finished group to replay: the simulator needs at least one")
+
+    @classmethod
+    def of_traces(cls, traces: Iterable[TrajectoryTrace]) -> ReplayedGroups:
+        """The traces grouped by `group_id`, in the order of the number the id carries (g2 < g10)."""
+        groups: dict[str, list[TrajectoryTrace]] = defaultdict(list)
+        for trace in traces:
+            groups[trace.group_id].append(trace)
+        return cls([groups[g] for g in sorted(groups, key=_group_number)])
+
+    def group(self, index: int, progress: float = 0.0) -> list[TrajectoryTrace]:
+        traces = self.groups[index % len(self.groups)]
+        lap = index // len(self.groups)
+        if lap == 0:
+            return traces
+        return [
+            TrajectoryTrace(
+                f"{t.trajectory_id}~{lap}", t.prompt_id, f"{t.group_id}~{lap}", t.prompt_tokens, t.turns
+            )
+            for t in traces
+        ]
+
+
+def _group_number(group_id: str) -> tuple[float, str]:
+    digits = "".join(c for c in group_id if c.isdigit())
+    return (int(digits) if digits else math.inf, group_id)
 
 
 def _mix(*values: int) -> int:

@@ -22,6 +22,7 @@ from libra.job.fleet import Fleet, WorkerKind
 from libra.job.instances import RolloutInstances
 from libra.job.planning import JobPlanning, RankHybridControl, StepTimes, unsupported
 from libra.job.problem import cluster_spec, model_arch, planned_rollout_sizes, planning_problem
+from libra.job.rescoring import JobRescorer
 from libra.job.train_ranks import TrainRankGroup
 from libra.planner import Planner, RequestRecord
 from libra.planner.actions import ActionResult, ExecutionReport, Outcome, RunningWorker
@@ -117,9 +118,10 @@ def model_dir(tmp_path):
     return tmp_path
 
 
-def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
+def _planning(model_dir, tmp_path, rescore: bool = False) -> tuple[JobPlanning, Recorder]:
     """A JobPlanning over a 3-slot CPU cluster: the train rank on device 0, TP-1 instances 0 and 1
-    (workers rollout-0, rollout-1) on devices 1 and 2. Call inside a running loop."""
+    (workers rollout-0, rollout-1) on devices 1 and 2 (`rescore`: its planner re-scores on the
+    groups it records, `libra.job.rescoring`). Call inside a running loop."""
     config = load_config(
         "configs/tiny_cpu.py",
         [
@@ -131,7 +133,8 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
     )
     problem = planning_problem(config, model_dir)
     bus = EventBus()
-    planner = Planner(problem, on_event=publish_plan_events(bus))
+    rescorer = JobRescorer(config, problem, lambda: planner.calibrated_factors()) if rescore else None
+    planner = Planner(problem, on_event=publish_plan_events(bus), rescorer=rescorer)
     cluster = FakeCluster(tmp_path, agents=[cpu_agent("agent-0", range(3))])  # the test may lose it
     cluster.controller.events, cluster.controller.address = bus, "127.0.0.1:1"
     cluster.planner = planner
@@ -145,7 +148,7 @@ def _planning(model_dir, tmp_path) -> tuple[JobPlanning, Recorder]:
     instances = RolloutInstances(config, cluster, fleet, None, recorder, model_dir, FakePool([0, 1]))
     instances.start_s = [42.0, 30.0]
     train_ranks = TrainRankGroup(config, fleet, model_dir, hosts_hybrid_lane=False)
-    planning = JobPlanning(config, cluster, fleet, instances, train_ranks, problem, recorder)
+    planning = JobPlanning(config, cluster, fleet, instances, train_ranks, problem, recorder, rescorer)
     planning.executor = FakeExecutor()
     planning.adopt_launch_layout()
     planning.history.extend(RequestRecord(200, 150, 3, 0.1) for _ in range(16))
@@ -368,6 +371,26 @@ def test_triggered_search_runs_on_the_measured_history(model_dir, tmp_path):
         decisions = [e for e in recorder.events if e["kind"] in ("plan_applied", "plan_rejected")]
         # The periodic trigger fired after warm-up and the planner decided (either way) on it.
         assert len(decisions) >= 2, recorder.events
+
+    asyncio.run(scenario())
+
+
+def test_replans_are_re_scored_on_the_groups_the_job_recorded(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path, rescore=True)
+        policy = planning.planner.policy
+        planning.planner.set_policy(dataclasses.replace(policy, reconfiguration_cost_s=0.0))
+        for step in range(1, 12):
+            planning.record(
+                [TrajectoryTrace(f"g{step}-{j}", "p", f"g{step}", 200, (TurnTrace(300),)) for j in range(4)]
+            )
+            await _settle(planning, step)
+        # The job's groups reached the rescorer, and the re-plan was chosen by its scores.
+        assert [g[0].group_id for g in planning.rescorer.groups][-1] == "g11"
+        (rescoring, *_) = planning.planner.rescorings
+        assert len(rescoring.scored) >= 2
+        applied = [e["message"] for e in recorder.events if e["kind"] == "plan_applied"]
+        assert any("re-scored: " + rescoring.describe() in message for message in applied), applied
 
     asyncio.run(scenario())
 
