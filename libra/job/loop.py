@@ -21,7 +21,8 @@ driving every trajectory meanwhile.
 A run is resumable from its first step: the starting state is checkpointed before the first
 rollout. A checkpoint holds, besides the trainer's, the data position, the gate, the router, the
 groups not yet trained on (rolled out again, under the same ids, by the resumed run) and the
-record files' lengths (what was recorded after it is moved aside on resume). Losing the train
+record files' lengths (what was recorded after it is moved aside on resume); the resumed run's
+planner starts from the trajectories recorded up to it. Losing the train
 ranks ends the run with a message naming what was lost, an event and the report.
 """
 
@@ -56,6 +57,7 @@ from libra.job.trackers import flat_config, open_trackers
 from libra.job.trainer import measure_logprob_gap
 from libra.rollout.environment import load_environment
 from libra.tasks.rewards import load_reward_function
+from libra.trace import read_traces
 from libra.training.staleness import StalenessGate
 from libra.trajectory import Trajectory
 
@@ -446,14 +448,20 @@ class GrpoJob:
         self.workers.instances.restore_router(state["router"])
         if version > 0:  # version 0 is the model the instances started from
             await self.workers.publish(version)
+        traces = self.run_dir / "trajectories.jsonl"
+        restored = 0
+        if self.planning is not None and traces.is_file():
+            restored = self.planning.restore_history(read_traces(traces))
         moved = ", ".join(f"{n} {name}" for name, n in superseded.items()) or "none"
         self.recorder.event(
             JobEvent.RESUME,
             f"resumed at version {version} from {directory}; {len(self._relaunch)} groups unfinished "
             f"at the checkpoint are rolled out again under their ids; rows recorded after the "
-            f"checkpoint, moved to superseded/: {moved}",
+            f"checkpoint, moved to superseded/: {moved}; the planner's history: {restored} "
+            "trajectories of the stopped run",
             rolled_out_again=[index for index, _ in self._relaunch],
             superseded=superseded,
+            planner_history=restored,
         )
 
 

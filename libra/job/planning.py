@@ -44,7 +44,7 @@ import collections
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -68,6 +68,7 @@ from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacem
 from libra.planner.training_cost import TrainingConfig
 from libra.planner.triggers import StepObservation
 from libra.rollout.plan_control import PoolRolloutControl
+from libra.trace import TrajectoryTrace
 from libra.training.elastic import HybridJoin, ReplicaState
 from libra.training.hybrid import paired_core_rank
 from libra.training.hybrid_worker import HybridReplicaSpec
@@ -447,6 +448,21 @@ class JobPlanning:
         self.history.extend(RequestRecord.from_trace(trace) for trace in traces)
         if self.rescorer is not None:
             self.rescorer.record(traces)
+
+    def restore_history(self, traces: Iterable[TrajectoryTrace]) -> int:
+        """A resumed run's planner starts from what the stopped run had recorded up to its
+        checkpoint (`trajectories.jsonl`, rewound to it), group by group in their order: its
+        history and its rescorer's groups as they were, not the launch's seed request. Returns
+        the number of trajectories read."""
+        groups: dict[str, list[TrajectoryTrace]] = {}
+        for trace in traces:
+            groups.setdefault(trace.group_id, []).append(trace)
+        for group in groups.values():
+            self.record(group)
+        if self.history:
+            self.planner.update_history(tuple(self.history))
+            self.instances.pool.reprice()
+        return sum(len(group) for group in groups.values())
 
     async def after_step(self, times: StepTimes) -> None:
         """Called by the loop after each step: finishes a completed execution, feeds the planner

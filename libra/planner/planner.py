@@ -131,6 +131,11 @@ class Planner:
             self._problem = dataclasses.replace(self._problem, config=config)
             self._trigger.policy = policy
 
+    @property
+    def history(self) -> tuple[RequestRecord, ...]:
+        """The workload history it plans from."""
+        return self._problem.history
+
     def update_history(self, history: tuple[RequestRecord, ...]) -> None:
         """Replaces the workload history (the newest `max_history` records are kept)."""
         with self._lock:

@@ -480,3 +480,24 @@ def test_the_planner_lays_out_the_launch_when_no_tp_sizes_are_given(model_dir):
     four_ranks = load_config("configs/tiny_cpu.py", ["job.rollout_tp_sizes=", "training.data_parallel=4"])
     with pytest.raises(ValueError, match=r"0 devices left after training's 4.*set job.rollout_tp_sizes"):
         planned_rollout_sizes(four_ranks, planning_problem(four_ranks, model_dir))
+
+
+def test_a_resumed_runs_planner_starts_from_the_groups_recorded_before(model_dir, tmp_path):
+    async def scenario():
+        planning, _ = _planning(model_dir, tmp_path, rescore=True)
+        planning.history.clear()
+        recorded = [
+            TrajectoryTrace(f"g{g}-{j}", f"p{g}", f"g{g}", 100 + g, (TurnTrace(50 + j),))
+            for g in range(3)
+            for j in range(4)
+        ]
+        assert planning.restore_history(recorded) == 12
+        # The history in the recorded order, the rescorer's groups whole, the planner told now.
+        assert list(planning.history) == [RequestRecord.from_trace(t) for t in recorded]
+        assert [[t.trajectory_id for t in group] for group in planning.rescorer.groups] == [
+            [f"g{g}-{j}" for j in range(4)] for g in range(3)
+        ]
+        assert planning.planner.history == tuple(planning.history)
+        assert planning.instances.pool.repriced == 1
+
+    asyncio.run(scenario())
