@@ -71,10 +71,13 @@ class JobConfig:
     change and after every step), so a trajectory moves to a larger bucket only when the decoding
     that saves beats re-prefilling its context there (`scheduler.BucketConfig.speed`)."""
     planner_rescore_steps: int = 4
-    """With the planner on: before adopting a re-plan, the planner simulates each candidate plan
-    (the running one, its model's optimum, the best pool of each TP size) for this many steps on
-    the job's latest finished groups and keeps the one with the most trained tokens/s
-    (`libra.job.rescoring`); 0: its cost model decides alone."""
+    """With the planner on: when its model would move to another layout, the planner first
+    simulates each candidate (the running plan, its model's optimum, the best pool of each TP
+    size) for this many steps on the job's latest finished groups (`libra.job.rescoring`); it
+    adopts another plan than its model's optimum only when that one scores
+    `planner.policy.rescore_margin` more trained tokens/s, and leaves the running plan only when
+    the apply rule passes on the simulated gain. The step boundary waits for it (the plan event
+    says how long). 0: its cost model decides alone."""
     eval_tasks: int = 96
     """Held-out tasks (never trained on) rolled out before the first step and after the last, with
     the training's sampling: the policy's reward before and after on the same prompts, free of the

@@ -450,7 +450,8 @@ class GrpoJob:
             await self.workers.publish(version)
         traces = self.run_dir / "trajectories.jsonl"
         restored = 0
-        if self.planning is not None and traces.is_file():
+        # A checkpoint of an older version kept no record lengths: its file was not rewound.
+        if self.planning is not None and "records" in state and traces.is_file():
             restored = self.planning.restore_history(read_traces(traces))
         moved = ", ".join(f"{n} {name}" for name, n in superseded.items()) or "none"
         self.recorder.event(

@@ -452,17 +452,17 @@ class JobPlanning:
     def restore_history(self, traces: Iterable[TrajectoryTrace]) -> int:
         """A resumed run's planner starts from what the stopped run had recorded up to its
         checkpoint (`trajectories.jsonl`, rewound to it), group by group in their order: its
-        history and its rescorer's groups as they were, not the launch's seed request. Returns
-        the number of trajectories read."""
+        history and its rescorer's groups as they were, not the launch's seed request: the newest
+        `max_history` trajectories. Returns the number in the history."""
         groups: dict[str, list[TrajectoryTrace]] = {}
-        for trace in traces:
+        for trace in collections.deque(traces, maxlen=self.history.maxlen):
             groups.setdefault(trace.group_id, []).append(trace)
         for group in groups.values():
             self.record(group)
         if self.history:
             self.planner.update_history(tuple(self.history))
             self.instances.pool.reprice()
-        return sum(len(group) for group in groups.values())
+        return len(self.history)
 
     async def after_step(self, times: StepTimes) -> None:
         """Called by the loop after each step: finishes a completed execution, feeds the planner

@@ -63,7 +63,10 @@ class JobRescorer:
             model=problem.model,
             batch=problem.batch,
             workload=WorkloadConfig(group_size=problem.batch.group_size),
-            planner=problem.config,
+            # An engine batches at most its max_num_seqs requests (the planner's default is larger).
+            planner=dataclasses.replace(
+                problem.config, max_decode_batch=config.rollout.instance.max_num_seqs
+            ),
             num_steps=steps,
             history_size=history_size,
             cmlfq_max_queue_length=config.scheduler.max_queue_length,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class Rescoring:
     """One re-scoring: each plan's rollout mix, training devices and score, best first."""
 
     scored: tuple[tuple[Plan, float], ...]
+    seconds: float = 0.0
+    """What the rescorer took (the planner's lock is held, and a job's step boundary waits)."""
 
     def score_of(self, plan: Plan) -> float:
         return next(score for p, score in self.scored if p is plan)
@@ -83,10 +86,11 @@ class Rescoring:
         return best if self.score_of(best) > self.score_of(optimum) * (1 + margin) else optimum
 
     def describe(self) -> str:
-        return "; ".join(
+        scores = "; ".join(
             f"{p.rollout_mix} (train {p.training.config.num_devices}) {score:,.0f}"
             for p, score in self.scored
         )
+        return f"{scores} (scored in {self.seconds:.1f} s)"
 
 
 @dataclass(frozen=True)
@@ -263,13 +267,15 @@ class Planner:
         plans = candidate_plans(self._problem, *self.calibrated_factors(), optimum=optimum)
         if current is not None:
             plans = [current, *(p for p in plans if p.layout_key != current.layout_key)]
+        started = time.perf_counter()
         scores = list(self._rescorer(plans))
+        seconds = time.perf_counter() - started
         if len(scores) != len(plans) or not all(math.isfinite(s) and s >= 0 for s in scores):
             raise ValueError(
                 f"the rescorer must give one finite score >= 0 per plan, got {scores} for {len(plans)}"
             )
         order = sorted(range(len(plans)), key=lambda i: (-scores[i], i))
-        rescoring = Rescoring(tuple((plans[i], scores[i]) for i in order))
+        rescoring = Rescoring(tuple((plans[i], scores[i]) for i in order), seconds)
         self.rescorings.append(rescoring)
         return rescoring
 

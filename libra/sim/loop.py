@@ -97,7 +97,7 @@ class PolicyRun:
         self.policy = policy
         self.layout = layout
         self.history = deque(history, maxlen=config.history_size)
-        self.generator = groups or WorkloadGenerator(config.workload)
+        self.generator = groups if groups is not None else WorkloadGenerator(config.workload)
         self.batch = config.batch
         self.staleness_bound = (
             0

@@ -140,3 +140,17 @@ def test_a_job_on_a_baseline_router_is_simulated_on_that_router(problem):
     assert not rescorer.config.cmlfq_price_moves
     rescorer.record(_group(0, turns=2, turn_tokens=200))
     assert rescorer([_plan(2)])[0] > 0
+
+
+def test_the_simulated_cluster_is_the_jobs(problem):
+    config, problem = problem
+    sim = _rescorer(config, problem).config
+    assert sim.cluster == problem.cluster and sim.model == problem.model and sim.batch == problem.batch
+    # The engines batch at most max_num_seqs; the router queues and fills KV as the job's does.
+    assert sim.planner.max_decode_batch == config.rollout.instance.max_num_seqs == 64
+    assert sim.cmlfq_max_queue_length == config.scheduler.max_queue_length == 16
+    assert (sim.staleness_mode, sim.drop_budget, sim.tail_staleness) == (
+        config.training.staleness_mode,
+        config.training.drop_budget,
+        config.training.tail_staleness,
+    )

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from libra.sim.workloads import WORKLOADS, WorkloadConfig, WorkloadGenerator
+from libra.sim.workloads import WORKLOADS, ReplayedGroups, WorkloadConfig, WorkloadGenerator
+from libra.trace import TrajectoryTrace, TurnTrace
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -27,3 +28,21 @@ def test_drift_lengthens_trajectories():
     early = np.mean([t.output_tokens for i in range(300) for t in gen.group(i, 0.0)])
     late = np.mean([t.output_tokens for i in range(300) for t in gen.group(i, 1.0)])
     assert late > 1.2 * early
+
+
+def _trace(group: str, j: int) -> TrajectoryTrace:
+    return TrajectoryTrace(f"{group}-{j}", "p", group, 10, (TurnTrace(5),))
+
+
+def test_replayed_groups_come_in_their_order_and_each_lap_is_renamed():
+    traces = [_trace(g, j) for g in ("g10", "g2", "g1") for j in range(2)]
+    replay = ReplayedGroups.of_traces(traces)
+    # By the number the id carries, not as strings ("g10" < "g2").
+    assert [group[0].group_id for group in replay.groups] == ["g1", "g2", "g10"]
+    assert replay.group(1) == [_trace("g2", 0), _trace("g2", 1)]
+    second_lap = replay.group(4)
+    assert [t.trajectory_id for t in second_lap] == ["g2-0~1", "g2-1~1"]
+    assert {t.group_id for t in second_lap} == {"g2~1"}
+    assert second_lap[0].turns == replay.group(1)[0].turns
+    with pytest.raises(ValueError, match="no finished group"):
+        ReplayedGroups([[], []])
