@@ -76,8 +76,8 @@ class JobConfig:
     size) for this many steps on the job's latest finished groups (`libra.job.rescoring`); it
     adopts another plan than its model's optimum only when that one scores
     `planner.policy.rescore_margin` more trained tokens/s, and leaves the running plan only when
-    the apply rule passes on the simulated gain. The step boundary waits for it (the plan event
-    says how long). 0: its cost model decides alone."""
+    the apply rule passes on the simulated gain. It runs on the planner's thread while training
+    goes on (the plan event says how long it took). 0: its cost model decides alone."""
     eval_tasks: int = 96
     """Held-out tasks (never trained on) rolled out before the first step and after the last, with
     the training's sampling: the policy's reward before and after on the same prompts, free of the

@@ -10,9 +10,11 @@ adopts:
     each step  the finished trajectories become the planner's request history; the step's
                measured train and rollout times, the routers' load and the stale drops are one
                `StepObservation` (the planner's triggers, warm-up, cooldown, hysteresis and apply
-               rule decide whether it searches and adopts)
-    adopted    whenever the planner's plan version moved past the one the job executed (its own
-               adoption, or an external ProposePlan), the diff between the two is carried out by
+               rule decide whether it searches, re-scores and adopts); the planner observes it on
+               a thread while training goes on, and steps that end meanwhile are not observed
+    adopted    at the first step boundary after the planner's plan version moved past the one
+               the job executed (its own adoption, or an external ProposePlan), the diff between
+               the two is carried out by
                `ActionExecutor` on a thread while training keeps stepping; the next plan waits
                until that one is done. A plan that restarts training (a new TP, PP or core DP:
                `JobTrainingRestart`) runs at the step boundary instead, the loop waiting for it
@@ -325,6 +327,9 @@ class JobPlanning:
         self.executed_version = 0
         self._execution: asyncio.Task[ExecutionReport] | None = None
         self._target: tuple[Plan, int] | None = None
+        self._observation: asyncio.Task[object] | None = None
+        """The planner observing a step on a thread (its search and re-scoring), if any."""
+        self._observed_step = 0
         self._restarts_training = False
         self._train_first_device = 0
         """Where the core's ranks start (the job launches them on the first devices)."""
@@ -465,8 +470,9 @@ class JobPlanning:
         return len(self.history)
 
     async def after_step(self, times: StepTimes) -> None:
-        """Called by the loop after each step: finishes a completed execution, feeds the planner
-        the step (the search runs on a thread) and starts executing a newly adopted plan."""
+        """Called by the loop after each step: finishes a completed execution or observation,
+        starts executing a plan adopted since the last boundary, else hands the planner this step
+        (`_observe`: its search and re-scoring run on a thread while training goes on)."""
         if not self.enabled:
             return
         self.rejected_total += times.num_dropped_stale
@@ -475,6 +481,12 @@ class JobPlanning:
                 self._mirror_events()
                 return  # one plan at a time; the planner observes again once it is carried out
             self._finish_execution()
+        if self._observation is not None:
+            if not self._observation.done():
+                # The planner holds its lock while it searches: nothing here may wait for it.
+                self._mirror_events()
+                return
+            self._finish_observation()
         if self._pending_reconcile:
             self.recorder.event(JobEvent.PLAN_REPLANNED, self._pending_reconcile)
             self._reconcile(self._pending_reconcile)
@@ -485,6 +497,21 @@ class JobPlanning:
             # measure no plan, and a plan now would act on an instance that is not there.
             self._mirror_events()
             return
+        # A plan adopted since the last boundary (by the planner's last observation or an
+        # external ProposePlan) runs first; the planner observes again once it is carried out.
+        self._mirror_events()
+        self._maybe_execute()
+        if self._execution is not None:
+            if self._restarts_training:
+                # A training restart runs at this step boundary: the loop waits (no train step
+                # may run on ranks being replaced); rollout keeps serving meanwhile.
+                await asyncio.wait([self._execution])
+                self._finish_execution()
+            return
+        self._observe(times)
+
+    def _observe(self, times: StepTimes) -> None:
+        """Feeds the planner the step on a thread; the next boundary picks up what it decided."""
         if len(self.history) >= 1:
             self.planner.update_history(tuple(self.history))
             # The launch priced the router's buckets on a seed request: now on what ran.
@@ -503,19 +530,26 @@ class JobPlanning:
             rejected_total=self.rejected_total,
             history_size=len(self.history),
         )
+        self._observation = asyncio.create_task(asyncio.to_thread(self.planner.observe, obs))
+        self._observed_step = times.step
+
+    def _finish_observation(self) -> None:
+        task, self._observation = self._observation, None
         try:
-            await asyncio.to_thread(self.planner.observe, obs)
+            task.result()
         except Exception as e:  # noqa: BLE001 - a failed search must not end the run
             self.recorder.event(
-                JobEvent.PLAN_FAILED, f"step {times.step}: the planner failed: {type(e).__name__}: {e}"
+                JobEvent.PLAN_FAILED,
+                f"step {self._observed_step}: the planner failed: {type(e).__name__}: {e}",
             )
         self._mirror_events()
-        self._maybe_execute()
-        if self._restarts_training:
-            # A training restart runs at this step boundary: the loop waits (no train step may
-            # run on ranks being replaced); rollout keeps serving meanwhile.
-            await asyncio.wait([self._execution])
-            self._finish_execution()
+
+    async def settled(self) -> None:
+        """Waits for the planner's observation in flight, if any, and records what it decided
+        (the next step boundary carries out a plan it adopted)."""
+        if self._observation is not None:
+            await asyncio.wait([self._observation])
+            self._finish_observation()
 
     def _rollout_load(self) -> tuple[int, int, int]:
         """(running, waiting, slots) as `StepObservation.measure` counts them: an instance decodes
@@ -684,7 +718,9 @@ class JobPlanning:
         self._pending_reconcile = f"rollout instance {plan_id or instance_id} lost and not restarted"
 
     async def close(self) -> None:
-        """Waits for a plan being carried out (bounded by the executor's timeouts), records it."""
+        """Waits for the planner's observation and a plan being carried out (bounded by the
+        executor's timeouts), records them; a plan adopted now is not started."""
+        await self.settled()
         if self._execution is not None:
             await asyncio.wait([self._execution])
             self._finish_execution()

@@ -74,7 +74,7 @@ class Rescoring:
 
     scored: tuple[tuple[Plan, float], ...]
     seconds: float = 0.0
-    """What the rescorer took (the planner's lock is held, and a job's step boundary waits)."""
+    """What the rescorer took (the planner holds its lock meanwhile)."""
 
     def score_of(self, plan: Plan) -> float:
         return next(score for p, score in self.scored if p is plan)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -168,9 +169,11 @@ def _shrunk(plan: Plan, device: int) -> Plan:
 
 
 async def _settle(planning: JobPlanning, step: int) -> None:
-    """Lets a started execution finish, then passes the next step boundary."""
+    """Lets a started execution and the planner's observation finish, then passes the next step
+    boundary (which carries out what the planner adopted, or hands it this step)."""
     if planning._execution is not None:
         await asyncio.wait([planning._execution])
+    await planning.settled()
     await planning.after_step(StepTimes(step, wait_s=0.1, train_s=1.0, num_dropped_stale=0))
 
 
@@ -408,6 +411,7 @@ def test_instance_lost_with_its_agent_is_replanned_without_it(model_dir, tmp_pat
         assert "rollout-tp1-d2" not in planning.executor.running_instances()
         # A plan that puts an instance back on the lost agent's device is refused.
         recorder.events.clear()
+        await planning.settled()
         planning.planner.propose(launch, "external")
         await planning.after_step(StepTimes(2, 0.1, 1.0, 0))
         refused = [e["message"] for e in recorder.events if e["kind"] == "plan_refused"]
@@ -499,5 +503,30 @@ def test_a_resumed_runs_planner_starts_from_the_groups_recorded_before(model_dir
         ]
         assert planning.planner.history == tuple(planning.history)
         assert planning.instances.pool.repriced == 1
+
+    asyncio.run(scenario())
+
+
+def test_the_planner_observes_on_a_thread_while_the_steps_go_on(model_dir, tmp_path):
+    async def scenario():
+        planning, recorder = _planning(model_dir, tmp_path)
+        release, observed = threading.Event(), []
+
+        def slow_observe(obs):  # a long search or re-scoring
+            observed.append(obs.step)
+            assert release.wait(10)
+            if obs.step == 3:
+                raise RuntimeError("boom")
+
+        planning.planner.observe = slow_observe
+        # Neither boundary waits for the planner; the second step ends while it still decides.
+        await asyncio.wait_for(planning.after_step(StepTimes(1, 0.1, 1.0, 0)), 5)
+        await asyncio.wait_for(planning.after_step(StepTimes(2, 0.1, 1.0, 0)), 5)
+        release.set()
+        await _settle(planning, 3)
+        await planning.settled()
+        assert observed == [1, 3]
+        failed = [e["message"] for e in recorder.events if e["kind"] == "plan_failed"]
+        assert failed == ["step 3: the planner failed: RuntimeError: boom"]
 
     asyncio.run(scenario())
