@@ -464,10 +464,15 @@ class JobPlanning:
             groups.setdefault(trace.group_id, []).append(trace)
         for group in groups.values():
             self.record(group)
+        self._share_history()
+        return len(self.history)
+
+    def _share_history(self) -> None:
+        """The planner plans from the history as it is now, and the router's bucket speeds are
+        priced on it (the launch priced them on a seed request)."""
         if self.history:
             self.planner.update_history(tuple(self.history))
             self.instances.pool.reprice()
-        return len(self.history)
 
     async def after_step(self, times: StepTimes) -> None:
         """Called by the loop after each step: finishes a completed execution or observation,
@@ -512,10 +517,7 @@ class JobPlanning:
 
     def _observe(self, times: StepTimes) -> None:
         """Feeds the planner the step on a thread; the next boundary picks up what it decided."""
-        if len(self.history) >= 1:
-            self.planner.update_history(tuple(self.history))
-            # The launch priced the router's buckets on a seed request: now on what ran.
-            self.instances.pool.reprice()
+        self._share_history()
         # Rollout ran during the whole step: its batch arrived `wait_s` after training (and
         # publication) of the previous one would have allowed. When the loop did not wait, that
         # is only a bound on rollout's time; the planner's calibration treats it as one.
