@@ -108,7 +108,7 @@ def throughput(config, history, training, pool, steps: int, seeds: int) -> list[
     """Trained tokens/s of the pool on each seed."""
     cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
     tps = tuple(tp for tp, _ in pool)
-    thresholds = capacity_thresholds(cost, pool, history, config.cmlfq_demote)
+    thresholds = capacity_thresholds(cost, pool, history, config.cmlfq.demote)
     sizes = sorted((tp for tp, n in pool for _ in range(n)), reverse=True)
     instances = place_rollout(training.num_devices, config.num_devices, config.devices_per_node, sizes)
     layout = Layout(training.config, training.devices, instances, tps, thresholds)

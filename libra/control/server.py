@@ -84,6 +84,8 @@ def _status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.PERMISSION_DENIED, str(error)
     if isinstance(error, OverflowError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, RuntimeError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(error)
     return None
@@ -92,8 +94,8 @@ def _status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
 def rpc_errors(method):
     """Servicer-method decorator (plain, async, or async-generator methods): `InvalidArgument` →
     INVALID_ARGUMENT, `LookupError` → NOT_FOUND, `PermissionError` → PERMISSION_DENIED,
-    `OverflowError` → RESOURCE_EXHAUSTED, `RuntimeError` → FAILED_PRECONDITION, each with the
-    exception's message."""
+    `OverflowError` → RESOURCE_EXHAUSTED, `TimeoutError` (busy: retry) → UNAVAILABLE,
+    `RuntimeError` → FAILED_PRECONDITION, each with the exception's message."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)

@@ -25,6 +25,7 @@ candidate looks faster (or none does), and near-equal plans would replace each o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -60,6 +61,21 @@ class PlannerEvent:
     """`applied`, `proposed` (a candidate awaits a decision), `rejected` (apply rule said no), `vetoed`."""
     version: int
     message: str
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """What callers read together: the running plan, its version and the pending candidate.
+    Replaced whole, so a reader on another thread never sees a plan with another's version."""
+
+    current: Plan | None = None
+    version: int = 0
+    candidate: Plan | None = None
+
+
+class PlannerBusy(TimeoutError):
+    """An operator's call waited longer than it would for the planner to finish a search or a
+    re-scoring (at a large cluster's size, minutes of simulation)."""
 
 
 PlanRescorer = Callable[[Sequence[Plan]], Sequence[float]]
@@ -112,6 +128,8 @@ class Planner:
         rescorer: PlanRescorer | None = None,
     ):
         self._lock = threading.Lock()
+        self._activity: tuple[str, float] = ("idle", time.monotonic())
+        """What the lock's holder is doing and since when, for `PlannerBusy`'s message."""
         self._rescorer = rescorer
         self.rescorings: deque[Rescoring] = deque(maxlen=64)
         """The latest re-scorings, in order (for reports)."""
@@ -121,16 +139,46 @@ class Planner:
         self._trigger = ReplanTrigger(problem.config.policy)
         self._costs = ReconfigurationCosts()
         self._calibration = StepCalibration()
-        self.current: Plan | None = None
-        self.version = 0
-        self.candidate: Plan | None = None
+        self.state = PlannerState()
+
+    @property
+    def current(self) -> Plan | None:
+        return self.state.current
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def candidate(self) -> Plan | None:
+        return self.state.candidate
+
+    def _set_candidate(self, candidate: Plan | None) -> None:
+        self.state = dataclasses.replace(self.state, candidate=candidate)
+
+    @contextlib.contextmanager
+    def _locked(self, wait_s: float | None = None, doing: str = "deciding"):
+        """The planner's lock, waited for at most `wait_s` (None: as long as it takes), else
+        `PlannerBusy` saying what holds it; `doing` is what this holder will be doing."""
+        if not self._lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            what, since = self._activity
+            raise PlannerBusy(
+                f"the planner has been busy {what} for {time.monotonic() - since:.0f} s; retry later"
+            )
+        try:
+            self._activity = (doing, time.monotonic())
+            yield
+        finally:
+            self._activity = ("idle", time.monotonic())
+            self._lock.release()
 
     @property
     def policy(self) -> TriggerPolicy:
         return self._problem.config.policy
 
-    def set_policy(self, policy: TriggerPolicy) -> None:
-        with self._lock:
+    def set_policy(self, policy: TriggerPolicy, wait_s: float | None = None) -> None:
+        """Replaces the trigger and apply policy (waiting at most `wait_s` for a re-plan in progress)."""
+        with self._locked(wait_s, "setting its policy"):
             config = dataclasses.replace(self._problem.config, policy=policy)
             self._problem = dataclasses.replace(self._problem, config=config)
             self._trigger.policy = policy
@@ -142,7 +190,7 @@ class Planner:
 
     def update_history(self, history: tuple[RequestRecord, ...]) -> None:
         """Replaces the workload history (the newest `max_history` records are kept)."""
-        with self._lock:
+        with self._locked(doing="taking a new history"):
             kept = tuple(history)[-self.policy.max_history :]
             self._problem = dataclasses.replace(self._problem, history=kept)
 
@@ -167,7 +215,7 @@ class Planner:
 
     def initial_plan(self) -> Adoption:
         """Chooses the split before launch."""
-        with self._lock:
+        with self._locked(doing="choosing the initial plan"):
             return self._choose_initial("initial plan")
 
     def _choose_initial(self, why: str) -> Adoption:
@@ -180,7 +228,7 @@ class Planner:
 
     def observe(self, obs: StepObservation) -> Adoption | None:
         """Feeds one step's measurements; returns the adoption when a re-plan was applied."""
-        with self._lock:
+        with self._locked(doing=f"re-planning after step {obs.step}"):
             obs = dataclasses.replace(obs, history_size=max(obs.history_size, len(self._problem.history)))
             if self.current is not None:
                 self._calibration.record(obs.train_s, obs.rollout_s)
@@ -249,7 +297,7 @@ class Planner:
                     return None
             candidate, rescored = best, f"; re-scored: {rescoring.describe()}"
         if not self.policy.auto_apply:
-            self.candidate = candidate
+            self._set_candidate(candidate)
             self._emit("proposed", f"{reason.value}: {self._why(decision)}{rescored}; awaiting ProposePlan")
             return None
         return self._adopt(candidate, f"{reason.value}: {self._why(decision)}{rescored}")
@@ -267,6 +315,7 @@ class Planner:
         plans = candidate_plans(self._problem, *self.calibrated_factors(), optimum=optimum)
         if current is not None:
             plans = [current, *(p for p in plans if p.layout_key != current.layout_key)]
+        self._activity = (f"re-scoring {len(plans)} plans in simulation", time.monotonic())
         started = time.perf_counter()
         scores = list(self._rescorer(plans))
         seconds = time.perf_counter() - started
@@ -279,34 +328,35 @@ class Planner:
         self.rescorings.append(rescoring)
         return rescoring
 
-    def propose(self, plan: Plan, reason: str = "") -> Adoption:
-        """Adopts an externally supplied plan after validating and re-pricing it (ValueError if invalid)."""
-        with self._lock:
+    def propose(self, plan: Plan, reason: str = "", wait_s: float | None = None) -> Adoption:
+        """Adopts an externally supplied plan after validating and re-pricing it (ValueError if
+        invalid; `PlannerBusy` if a re-plan holds the planner for longer than `wait_s`)."""
+        with self._locked(wait_s, "adopting an external plan"):
             priced = evaluate_plan(self._problem, plan, *self.calibrated_factors())
-            self.candidate = None
+            self._set_candidate(None)
             return self._adopt(priced, f"external plan{': ' + reason if reason else ''}")
 
-    def accept_candidate(self, reason: str = "") -> Adoption:
-        with self._lock:
-            if self.candidate is None:
+    def accept_candidate(self, reason: str = "", wait_s: float | None = None) -> Adoption:
+        with self._locked(wait_s, "adopting its candidate"):
+            candidate = self.candidate
+            if candidate is None:
                 raise RuntimeError("no candidate plan is pending")
-            candidate, self.candidate = self.candidate, None
+            self._set_candidate(None)
             return self._adopt(candidate, f"candidate accepted{': ' + reason if reason else ''}")
 
-    def veto_candidate(self, reason: str = "") -> None:
-        with self._lock:
+    def veto_candidate(self, reason: str = "", wait_s: float | None = None) -> None:
+        with self._locked(wait_s, "vetoing its candidate"):
             if self.candidate is None:
                 raise RuntimeError("no candidate plan is pending")
-            self.candidate = None
+            self._set_candidate(None)
             self._emit("vetoed", reason or "candidate vetoed")
 
     def _adopt(self, plan: Plan, why: str) -> Adoption:
         plan, actions = diff_plans(
             self.current, plan, cut_inflight=self.policy.cut_inflight, pool=self._problem.config.hybrid_pool
         )
-        self.current = plan
+        self.state = dataclasses.replace(self.state, current=plan, version=self.version + 1)
         self._calibration.restart()
-        self.version += 1
         reason = f"v{self.version}: {why}; step {plan.predicted_step_s:.3f} s, {len(actions)} actions"
         self._emit("applied", reason)
         return Adoption(plan, self.version, tuple(actions), reason)

@@ -23,6 +23,10 @@ from libra.planner.planner import Adoption, Planner, PlannerEvent, PlanRescorer
 from libra.planner.training_cost import TrainingConfig
 from libra.v1 import planner_pb2, planner_pb2_grpc
 
+OPERATOR_WAIT_S = 2.0
+"""How long an operator's call waits for a re-plan in progress before UNAVAILABLE: a re-scoring
+at a large cluster's size simulates for minutes, and the servicer's few threads must stay free."""
+
 SERVICE_NAME = planner_pb2.DESCRIPTOR.services_by_name["PlannerService"].full_name
 POLICY_FIELDS = (
     "plan_interval",
@@ -174,27 +178,28 @@ class PlannerServicer(planner_pb2_grpc.PlannerServiceServicer):
 
     @rpc_errors
     def GetPlan(self, request, context: grpc.ServicerContext) -> planner_pb2.GetPlanResponse:
-        p = self.planner
+        state = self.planner.state  # never waits: a re-plan replaces it whole when done
         return planner_pb2.GetPlanResponse(
-            current=plan_to_proto(p.current, p.version),
-            candidate=plan_to_proto(p.candidate, p.version + 1),
-            policy=policy_to_proto(p.policy),
+            current=plan_to_proto(state.current, state.version),
+            candidate=plan_to_proto(state.candidate, state.version + 1),
+            policy=policy_to_proto(self.planner.policy),
         )
 
     @rpc_errors
     def ProposePlan(self, request, context: grpc.ServicerContext) -> planner_pb2.ProposePlanResponse:
         which = request.WhichOneof("proposal")
         if which == "veto_candidate":
-            self.planner.veto_candidate(request.reason)
+            self.planner.veto_candidate(request.reason, wait_s=OPERATOR_WAIT_S)
+            state = self.planner.state
             return planner_pb2.ProposePlanResponse(
-                plan=plan_to_proto(self.planner.current, self.planner.version), message="candidate vetoed"
+                plan=plan_to_proto(state.current, state.version), message="candidate vetoed"
             )
         if which == "accept_candidate":
-            return _adoption_reply(self.planner.accept_candidate(request.reason))
+            return _adoption_reply(self.planner.accept_candidate(request.reason, wait_s=OPERATOR_WAIT_S))
         if which == "plan":
             plan = plan_from_proto(request.plan, self.devices_per_node)
             try:
-                return _adoption_reply(self.planner.propose(plan, request.reason))
+                return _adoption_reply(self.planner.propose(plan, request.reason, wait_s=OPERATOR_WAIT_S))
             except ValueError as e:
                 raise InvalidArgument(f"plan: {e}") from e
         raise InvalidArgument("proposal must be one of plan, veto_candidate, accept_candidate")
@@ -204,7 +209,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServiceServicer):
         self, request, context: grpc.ServicerContext
     ) -> planner_pb2.SetPlannerPolicyResponse:
         policy = policy_from_proto(request.policy, list(request.fields), self.planner.policy)
-        self.planner.set_policy(policy)
+        self.planner.set_policy(policy, wait_s=OPERATOR_WAIT_S)
         return planner_pb2.SetPlannerPolicyResponse(policy=policy_to_proto(policy))
 
 

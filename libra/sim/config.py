@@ -298,10 +298,10 @@ class SimConfig:
     """The planner re-scores its candidate plans -- its optimum and the best pool of each TP
     size -- by simulating each for this many steps on the workload as it is (`libra.sim.rescoring`),
     at the initial plan and at every re-plan its model would apply; 0: its cost model decides alone."""
-    cmlfq_demote: bool = False
-    """C-MLFQ also moves trajectories down to smaller buckets (`CmlfqConfig.demote`)."""
-    cmlfq_kv_full_fraction: float = CmlfqConfig.kv_full_fraction
-    """C-MLFQ counts an instance full from this share of its KV in use (`CmlfqConfig.kv_full_fraction`)."""
+    cmlfq: CmlfqConfig = field(default_factory=CmlfqConfig)
+    """C-MLFQ's settings (`scheduler.*` in the job: demotion, the KV share counted full, the
+    draining share, the P90 window, rebuilds); its buckets are the simulated layout's, and its
+    queue length is `cmlfq_max_queue_length`'s."""
     cmlfq_price_moves: bool = True
     """C-MLFQ's buckets carry their instances' speed from the cost model
     (`libra.planner.routing_speeds`), so a promotion is made only when it saves more decoding on
@@ -348,10 +348,6 @@ class SimConfig:
             raise ValueError(f"sim.tail_staleness must be >= 0, got {self.tail_staleness}")
         if self.num_nodes < 1:
             raise ValueError(f"sim.num_nodes must be >= 1, got {self.num_nodes}")
-        if not 0 < self.cmlfq_kv_full_fraction <= 1:
-            raise ValueError(
-                f"sim.cmlfq_kv_full_fraction must be in (0, 1], got {self.cmlfq_kv_full_fraction}"
-            )
         if self.planner_rescore_steps < 0:
             raise ValueError(f"sim.planner_rescore_steps must be >= 0, got {self.planner_rescore_steps}")
         if self.num_steps < 1:

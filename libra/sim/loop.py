@@ -119,11 +119,7 @@ class PolicyRun:
             config.train_factors,
         )
         total_weight = sum(instance_weight(rollout_cost, i.tp) for i in layout.instances)
-        cmlfq_config = layout.cmlfq_config(
-            derived_queue_length(config, policy, total_weight),
-            config.cmlfq_demote,
-            config.cmlfq_kv_full_fraction,
-        )
+        cmlfq_config = layout.cmlfq_config(config.cmlfq, derived_queue_length(config, policy, total_weight))
         self.rollout_cost = rollout_cost
         cmlfq_config = replace(cmlfq_config, buckets=self._priced(cmlfq_config.buckets))
         router = make_router(policy.router, cmlfq_config)

@@ -48,12 +48,12 @@ class Layout:
     def bucket_of(self, tp: int) -> int:
         return bucket_of(self.bucket_tps, tp)
 
-    def cmlfq_config(self, max_queue_length: int, demote: bool, kv_full_fraction: float) -> CmlfqConfig:
-        return CmlfqConfig(
+    def cmlfq_config(self, settings: CmlfqConfig, max_queue_length: int) -> CmlfqConfig:
+        """`settings` on this layout's buckets, with `max_queue_length`."""
+        return replace(
+            settings,
             buckets=bucket_configs(self.bucket_tps, self.thresholds),
             max_queue_length=max_queue_length,
-            demote=demote,
-            kv_full_fraction=kv_full_fraction,
         )
 
 
@@ -173,7 +173,7 @@ def build_layout(
         else:
             cost = RolloutCostModel(config.cluster, config.model, config.planner, config.rollout_factors)
             counts = [(tp, sizes.count(tp)) for tp in tps]
-            thresholds = capacity_thresholds(cost, counts, history, config.cmlfq_demote)
+            thresholds = capacity_thresholds(cost, counts, history, config.cmlfq.demote)
         return Layout(training, tuple(range(n_train)), place_rollout(n_train, n, dpn, sizes), tps, thresholds)
     if initial_plan is None:
         raise ValueError(f"policy {policy.name} needs the planner's initial plan")

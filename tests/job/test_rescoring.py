@@ -17,6 +17,7 @@ from libra.planner.plan import BucketPlan, Plan, RolloutInstance, TrainingPlacem
 from libra.planner.search import DEFAULT_ROLLOUT_FACTORS, DEFAULT_TRAIN_FACTORS
 from libra.planner.training_cost import TrainingConfig
 from libra.scheduler.factory import RouterKind
+from libra.sim.pools import Layout
 from libra.trace import TrajectoryTrace, TurnTrace
 from tests.job.test_planning_parts import TINY_LLAMA
 
@@ -154,3 +155,15 @@ def test_the_simulated_cluster_is_the_jobs(problem):
         config.training.drop_budget,
         config.training.tail_staleness,
     )
+
+
+def test_the_simulated_router_has_the_jobs_settings(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    overrides = ["scheduler.draining_fraction=0.5", "scheduler.p90_window=50", "scheduler.demote=true"]
+    config = load_config("configs/tiny_cpu.py", [f"job.group_size={GROUP_SIZE}", *overrides])
+    sim = _rescorer(config, planning_problem(config, tmp_path)).config
+    layout = Layout(TrainingConfig(1, 1, 1, 1), (0,), (), (1, 2), (4096, 8192))
+    router = layout.cmlfq_config(sim.cmlfq, max_queue_length=7)
+    assert (router.draining_fraction, router.p90_window, router.demote) == (0.5, 50, True)
+    assert [(b.tp_size, b.max_remaining_tokens) for b in router.buckets] == [(1, 4096), (2, 8192)]
+    assert router.max_queue_length == 7

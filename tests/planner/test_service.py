@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -27,20 +28,28 @@ class Served:
     port: int
 
 
-@pytest.fixture(scope="module")
-def served():
-    problem = load_from_file("configs/planner_qwen3_14b_48xa800.py", "planning_problem", PlanningProblem)
-    events = []
-    planner = Planner(problem, on_event=events.append)
+def serve(planner: Planner, devices_per_node: int):
     config = ControlConfig(port=0, token=TOKEN)
     server = start_server(
         config,
         TOKEN,
-        add_planner_service(planner, problem.cluster.devices_per_node),
+        add_planner_service(planner, devices_per_node),
         host="127.0.0.1",
         port=0,
     )
-    channel = open_channel(f"127.0.0.1:{server.port}", TOKEN, config)
+    return server, open_channel(f"127.0.0.1:{server.port}", TOKEN, config)
+
+
+@pytest.fixture(scope="module")
+def problem() -> PlanningProblem:
+    return load_from_file("configs/planner_qwen3_14b_48xa800.py", "planning_problem", PlanningProblem)
+
+
+@pytest.fixture(scope="module")
+def served(problem):
+    events = []
+    planner = Planner(problem, on_event=events.append)
+    server, channel = serve(planner, problem.cluster.devices_per_node)
     yield Served(planner, planner_pb2_grpc.PlannerServiceStub(channel), events, server.port)
     channel.close()
     server.stop()
@@ -100,3 +109,45 @@ def test_calls_need_the_token(served):
         planner_pb2_grpc.PlannerServiceStub(channel).GetPlan(planner_pb2.GetPlanRequest())
     channel.close()
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_operator_calls_do_not_wait_out_a_long_rescoring(problem):
+    """A re-scoring at a large cluster's size simulates for minutes under the planner's lock: the
+    operator's calls that need the lock answer UNAVAILABLE saying so, and GetPlan answers at once."""
+    release, rescoring = threading.Event(), threading.Event()
+
+    def slow_rescorer(plans):
+        rescoring.set()
+        release.wait(30)
+        return [1.0] * len(plans)
+
+    planner = Planner(problem, rescorer=slow_rescorer)
+    server, channel = serve(planner, problem.cluster.devices_per_node)
+    stub = planner_pb2_grpc.PlannerServiceStub(channel)
+    choosing = threading.Thread(target=planner.initial_plan)
+    choosing.start()
+    try:
+        assert rescoring.wait(30)
+        assert stub.GetPlan(planner_pb2.GetPlanRequest(), timeout=10).current.version == 0
+        for request in (
+            planner_pb2.ProposePlanRequest(veto_candidate=True),
+            planner_pb2.ProposePlanRequest(accept_candidate=True),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ProposePlan(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "re-scoring" in err.value.details() and "retry" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SetPlannerPolicy(
+                planner_pb2.SetPlannerPolicyRequest(
+                    policy=planner_pb2.PlannerPolicy(plan_interval=3), fields=["plan_interval"]
+                ),
+                timeout=10,
+            )
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        release.set()
+        choosing.join(30)
+        channel.close()
+        server.stop()
+    assert planner.version == 1 and planner.policy.plan_interval != 3
