@@ -183,23 +183,46 @@ def write_traces(path: str | Path, traces: Iterable[TrajectoryTrace]) -> int:
     return count
 
 
-def read_traces(path: str | Path) -> list[TrajectoryTrace]:
-    """Reads a JSONL trace file; ValueError names the line and field at fault."""
+def read_traces(path: str | Path, last: int | None = None) -> list[TrajectoryTrace]:
+    """Reads a JSONL trace file, or only its `last` traces (read from the end: a long run's file
+    is gigabytes); ValueError names the line and field at fault."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no trace file at {path}")
-    traces = []
+    if last is not None:
+        lines = _last_lines(path, last)
+        return [
+            _parse_line(line, f"{path}: line {len(lines) - i} from the end") for i, line in enumerate(lines)
+        ]
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            traces.append(trace_from_dict(row, where))
-    return traces
+        return [_parse_line(line, f"{path}:{n}") for n, line in enumerate(f, start=1) if line.strip()]
+
+
+def _parse_line(line: str, where: str) -> TrajectoryTrace:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+    return trace_from_dict(row, where)
+
+
+def _last_lines(path: Path, count: int, block_bytes: int = 1 << 20) -> list[str]:
+    """The file's last `count` non-blank lines, in order, reading blocks back from its end."""
+    if count < 0:
+        raise ValueError(f"last must be >= 0, got {count}")
+    with open(path, "rb") as f:
+        position, tail = f.seek(0, 2), b""
+        while True:
+            pieces = tail.split(b"\n")
+            # Before the file's start is reached, the first piece may be a line cut by the block.
+            lines = [line for line in (pieces[1:] if position else pieces) if line.strip()]
+            if len(lines) >= count or position == 0:
+                break
+            step = min(block_bytes, position)
+            position -= step
+            f.seek(position)
+            tail = f.read(step) + tail
+    return [line.decode("utf-8") for line in lines[max(0, len(lines) - count) :]] if count else []
 
 
 # From a real trajectory.

@@ -21,6 +21,24 @@ def test_jsonl_round_trip(tmp_path):
     assert read_traces(path) == traces
 
 
+@pytest.mark.parametrize("block_bytes", [7, 64, 1 << 20])
+def test_the_last_traces_are_read_from_the_end(tmp_path, block_bytes, monkeypatch):
+    import libra.trace as trace_module
+
+    generator = WorkloadGenerator(WorkloadConfig(name="search_r1", group_size=3))
+    traces = [t for i in range(5) for t in generator.group(i, 0.5)]
+    path = tmp_path / "t.jsonl"
+    write_traces(path, traces)
+    path.write_text(path.read_text().replace("\n", "\n\n", 3))  # blank lines are skipped
+    real = trace_module._last_lines
+    monkeypatch.setattr(trace_module, "_last_lines", lambda p, n: real(p, n, block_bytes))
+    for last in (0, 1, 4, len(traces), len(traces) + 10):
+        assert read_traces(path, last=last) == traces[len(traces) - min(last, len(traces)) :]
+    path.write_text(path.read_text() + "{not json\n")
+    with pytest.raises(ValueError, match="line 1 from the end: not valid JSON"):
+        read_traces(path, last=2)
+
+
 @pytest.mark.parametrize(
     ("row", "message"),
     [

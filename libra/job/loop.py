@@ -452,7 +452,8 @@ class GrpoJob:
         restored = 0
         # A checkpoint of an older version kept no record lengths: its file was not rewound.
         if self.planning is not None and "records" in state and traces.is_file():
-            restored = self.planning.restore_history(read_traces(traces))
+            newest = await asyncio.to_thread(read_traces, traces, self.planning.history.maxlen)
+            restored = self.planning.restore_history(newest)
         moved = ", ".join(f"{n} {name}" for name, n in superseded.items()) or "none"
         self.recorder.event(
             JobEvent.RESUME,

@@ -458,7 +458,8 @@ class JobPlanning:
         """A resumed run's planner starts from what the stopped run had recorded up to its
         checkpoint (`trajectories.jsonl`, rewound to it), group by group in their order: its
         history and its rescorer's groups as they were, not the launch's seed request: the newest
-        `max_history` trajectories. Returns the number in the history."""
+        `max_history` trajectories (of `traces`, which may hold only those). Returns the number
+        in the history."""
         groups: dict[str, list[TrajectoryTrace]] = {}
         for trace in collections.deque(traces, maxlen=self.history.maxlen):
             groups.setdefault(trace.group_id, []).append(trace)
