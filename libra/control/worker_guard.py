@@ -83,8 +83,8 @@ def remove_private_tmp(private_tmp: str | None) -> None:
 
 def guarded(argv: Sequence[str], private_tmp: str | None = None) -> list[str]:
     """The command line that runs `argv` under a guard owned by this process (`private_tmp`: a
-    `make_private_tmp` directory for its TMPDIR, removed with the tree; not for a worker that
-    changes its uid). Start it with
+    `make_private_tmp` directory for its TMPDIR, removed with the tree; for a worker that changes
+    its uid, one its owner gave to that uid). Start it with
     `start_new_session=True` and no `preexec_fn` (a Python hook between fork and exec runs gRPC's
     fork handlers in a multi-threaded process and can abort it), from a thread that lives as
     long as the guard: the kernel ties the parent-death signal to the thread that forked."""

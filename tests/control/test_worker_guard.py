@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from libra.control import WorkerRole, WorkerSpec, WorkerState
-from libra.control.worker_guard import PRIVATE_TMP_PREFIX, shm_inodes, sweep_shm
+from libra.control.worker_guard import PRIVATE_TMP_FLAG, PRIVATE_TMP_PREFIX, shm_inodes, sweep_shm
 from tests.control.helpers import wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -285,9 +285,13 @@ def test_a_killed_job_takes_its_sandbox_workers_and_their_calls(tmp_path):
             return tree if len(tree) >= 3 else None  # the worker, the call's fork, its child
 
         tree = [p.pid for p in wait_for(call_started, timeout_s=STARTUP_S, what="the sandbox call")]
+        # The worker's own temp directory (its HOME and TMPDIR) goes too: the pool cannot remove it.
+        flag = PRIVATE_TMP_FLAG
+        (worker_tmp,) = [a[len(flag) :] for a in guard.cmdline() if a.startswith(flag)]
+        assert Path(worker_tmp).is_dir()
         job.kill()
         job.wait()
-        assert_gone([guard.pid, *tree], [])
+        assert_gone([guard.pid, *tree], [worker_tmp])
     finally:
         job.kill()
 

@@ -145,8 +145,10 @@ class _Worker:
             "tmpfs_bytes": config.tmpfs_mb * 2**20,
             "expose": expose,
         }
+        # The guard removes the directory with the worker's tree, also when this process is
+        # SIGKILLed (the pool's own `kill` never runs then).
         process = await asyncio.create_subprocess_exec(
-            *guarded([python, "-I", str(WORKER_SCRIPT), json.dumps(settings)]),
+            *guarded([python, "-I", str(WORKER_SCRIPT), json.dumps(settings)], private_tmp=fallback_dir),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
