@@ -9,7 +9,9 @@ from libra.backends.base import DeviceInfo
 from libra.control.types import AgentState, AgentStatus
 
 TOKEN = "test-token-0123456789"
-HEARTBEAT_S = 0.2
+HEARTBEAT_S = 1.0
+"""Short enough that a silent agent is lost within seconds; long enough that an agent on a
+loaded 2-core CI host (the README job beside the suite) does not miss three beats in a row."""
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 20.0, what: str = "condition"):

@@ -137,10 +137,11 @@ def test_killed_agent_is_detected_and_its_workers_lost(client, spawn_agent):
 
     victim.kill()
     lost = watcher.first(EventKind.AGENT_LOST, agent_id=victim.agent_id)
-    assert lost.time - watcher.first(EventKind.WORKER_STARTED, worker_id="orphan").time < 10
+    # Detected by its agent, not by the worker's own end (it sleeps for 60 s).
+    assert lost.time - watcher.first(EventKind.WORKER_STARTED, worker_id="orphan").time < 30
     watcher.first(EventKind.WORKER_LOST, worker_id="orphan")
     # The worker dies with its agent: nothing keeps holding the devices.
-    wait_for(lambda: _gone(orphan.pid), timeout_s=5, what="orphan worker to die")
+    wait_for(lambda: _gone(orphan.pid), timeout_s=20, what="orphan worker to die")
     agents = {a.agent_id: a.state.name for a in client.cluster_state().agents}
     assert agents == {survivor.agent_id: "ALIVE", victim.agent_id: "LOST"}
 
@@ -154,7 +155,8 @@ def test_silent_agent_is_lost_within_three_heartbeats(controller, client, spawn_
         last_beat = next(
             a for a in client.cluster_state().agents if a.agent_id == agent.agent_id
         ).last_heartbeat_at
-        assert lost.time - last_beat <= 3 * HEARTBEAT_S + HEARTBEAT_S / 3 + 0.2
+        # The monitor checks every third of an interval; the rest is slack for a loaded host.
+        assert lost.time - last_beat <= 3 * HEARTBEAT_S + HEARTBEAT_S / 3 + 1.0
         assert "no heartbeat" in lost.message
     finally:
         os.kill(agent.process.pid, 18)  # SIGCONT so the fixture can end it
