@@ -11,13 +11,26 @@ binary body (a flat tensor, or torch.save bytes):
 A reader thread turns incoming frames into a queue, so the receiver waits with a timeout and a
 half-written frame (the peer died mid-send) is detected as `PeerLost`. A sender thread drains an
 outgoing queue, so a core rank never blocks on a slow follower.
+
+Before any frame, each end proves to the other that it holds the run's token (`LIBRA_TOKEN`):
+a challenge-response with HMAC-SHA256 over both ends' fresh nonces, so the token never crosses
+the wire and a recorded exchange cannot be replayed. The listener's port is open on a host's
+routable address for the whole run; without the proof, anyone who reached it could feed the
+core rank gradients, or pose as a core rank to a hybrid replica, which unpickles what its core
+sends. A peer that fails or stalls in the proof is dropped without holding up the others
+(`Listener.refused` counts them). Frames are not encrypted, as the collectives of the rest of the
+data plane (NCCL, Gloo) are not: keep the training network private.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import json
+import logging
 import queue
+import secrets
 import socket
 import struct
 import threading
@@ -25,12 +38,69 @@ from dataclasses import dataclass, field
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 _HEADER = struct.Struct("!I")
 _BODY = struct.Struct("!Q")
+_GREETING = b"libra-lane/1"
+_NONCE_BYTES = 32
+_PROOF_BYTES = hashlib.sha256().digest_size
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long either end waits for the other's proof."""
+MAX_PENDING_HANDSHAKES = 8
+"""Connections a listener proves at once; more are closed at once (a flood ties up no more)."""
 
 
 class PeerLost(ConnectionError):
     """The peer closed the connection or died, possibly in the middle of a frame."""
+
+
+class LaneRefused(PermissionError):
+    """The other end did not prove that it holds the run's token."""
+
+
+def _proof(token: str, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(token.encode(), role + first + second, hashlib.sha256).digest()
+
+
+def _receive(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise LaneRefused(
+                f"the peer closed the connection during the handshake ({len(data)} of {n} bytes)"
+            )
+        data += chunk
+    return data
+
+
+def _prove_as_listener(sock: socket.socket, token: str) -> None:
+    """The listener's half: challenge, check the connecting end's proof, answer with its own."""
+    challenge = secrets.token_bytes(_NONCE_BYTES)
+    sock.sendall(_GREETING + challenge)
+    reply = _receive(sock, _NONCE_BYTES + _PROOF_BYTES)
+    nonce, proof = reply[:_NONCE_BYTES], reply[_NONCE_BYTES:]
+    if not hmac.compare_digest(proof, _proof(token, b"connect", challenge, nonce)):
+        raise LaneRefused("the connecting end did not prove the run's token")
+    sock.sendall(_proof(token, b"listen", nonce, challenge))
+
+
+def _prove_as_connector(sock: socket.socket, token: str, address: str) -> None:
+    """The connecting end's half: answer the challenge, then check the listener's proof."""
+    greeting = _receive(sock, len(_GREETING) + _NONCE_BYTES)
+    if not greeting.startswith(_GREETING):
+        raise LaneRefused(f"{address} is not a Libra lane (it greeted with {greeting[:16]!r})")
+    challenge, nonce = greeting[len(_GREETING) :], secrets.token_bytes(_NONCE_BYTES)
+    sock.sendall(nonce + _proof(token, b"connect", challenge, nonce))
+    try:
+        proof = _receive(sock, _PROOF_BYTES)
+    except LaneRefused:
+        raise LaneRefused(
+            f"the lane at {address} refused this end's proof: is it the same run's token?"
+        ) from None
+    if not hmac.compare_digest(proof, _proof(token, b"listen", nonce, challenge)):
+        raise LaneRefused(f"the lane at {address} did not prove the run's token")
 
 
 @dataclass
@@ -63,6 +133,7 @@ class Channel:
 
     def __init__(self, sock: socket.socket):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # the receiver's timeouts are the inbox's
         self._sock = sock
         self._inbox: queue.Queue[Frame | PeerLost] = queue.Queue()
         self._outbox: queue.Queue[Frame | None] = queue.Queue()
@@ -73,9 +144,20 @@ class Channel:
         self._sender.start()
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float = 60.0) -> Channel:
+    def connect(cls, address: str, token: str, timeout_s: float = 60.0) -> Channel:
+        """A channel to the listener at `address`, once each end proved it holds `token`
+        (`LaneRefused` otherwise)."""
+        if not token:
+            raise ValueError("a lane needs the run's token")
         host, port = address.rsplit(":", 1)
-        return cls(socket.create_connection((host, int(port)), timeout=timeout_s))
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            _prove_as_connector(sock, token, address)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -118,7 +200,6 @@ class Channel:
             return None
 
     def _read_loop(self) -> None:
-        self._sock.settimeout(None)
         try:
             while True:
                 (length,) = _HEADER.unpack(self._read_exactly(_HEADER.size))
@@ -150,21 +231,49 @@ class Channel:
 
 
 class Listener:
-    """The core side: accepts hybrid connections in the background."""
+    """The core side: accepts hybrid connections in the background, each once it proved that it
+    holds `token`."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0):
+        if not token:
+            raise ValueError("a lane needs the run's token")
+        self._token = token
         self._sock = socket.create_server((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._accepted: queue.Queue[Channel] = queue.Queue()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self.refused = 0
+        """Connections closed unproven: a wrong or missing token, a stall, or too many at once."""
         threading.Thread(target=self._accept_loop, daemon=True, name="grad-channel-accept").start()
 
     def _accept_loop(self) -> None:
         while True:
             try:
-                sock, _ = self._sock.accept()
+                sock, peer = self._sock.accept()
             except OSError:
                 return
-            self._accepted.put(Channel(sock))
+            if not self._pending.acquire(blocking=False):
+                self._refuse(sock, peer, f"{MAX_PENDING_HANDSHAKES} handshakes already in progress")
+                continue
+            threading.Thread(
+                target=self._prove, args=(sock, peer), daemon=True, name="grad-channel-handshake"
+            ).start()
+
+    def _prove(self, sock: socket.socket, peer) -> None:
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            _prove_as_listener(sock, self._token)
+        except (OSError, LaneRefused) as e:
+            self._refuse(sock, peer, str(e) or type(e).__name__)
+            return
+        finally:
+            self._pending.release()
+        self._accepted.put(Channel(sock))
+
+    def _refuse(self, sock: socket.socket, peer, why: str) -> None:
+        self.refused += 1
+        logger.warning("lane %s refused a connection from %s: %s", self.address, peer, why)
+        sock.close()
 
     def poll(self) -> Channel | None:
         try:

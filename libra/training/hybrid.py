@@ -164,7 +164,11 @@ class CoreLane:
         config: ElasticConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         host: str = "127.0.0.1",
+        *,
+        token: str,
     ):
+        """`host`: where the lane listens for its hybrid replica (the rank's routable address);
+        `token`: the run's, which the replica must prove it holds (`grad_channel`)."""
         if not HYBRID_POOL_LIMITS.allows(engine.info.dp_size, engine.info.pp_size, 1):
             raise ValueError(
                 f"the elastic hybrid pool runs with a core of PP=1 for now, got PP={engine.info.pp_size}"
@@ -172,7 +176,7 @@ class CoreLane:
         self.engine = engine
         self.pool = HybridPool(config or ElasticConfig())
         self.clock = clock
-        self.listener = Listener(host)
+        self.listener = Listener(token, host)
         self.counters = LaneCounters()
         self._replica: int | None = None
         self._generation = 0
@@ -546,10 +550,11 @@ class HybridFollower:
         return frame
 
 
-def run_hybrid_replica(engine, address: str, replica: int, generation: int, on_step=None) -> int:
-    """The hybrid replica's loop: fetch the state, replay or train each streamed step, activate on
-    request, stop on release. `on_step(step, result)` sees every step. Returns the steps run."""
-    channel = Channel.connect(address)
+def run_hybrid_replica(engine, address: str, replica: int, generation: int, token: str, on_step=None) -> int:
+    """The hybrid replica's loop: connect to its core rank's lane (each proving the run's
+    `token`), fetch the state, replay or train each streamed step, activate on request, stop on
+    release. `on_step(step, result)` sees every step. Returns the steps run."""
+    channel = Channel.connect(address, token)
     channel.send("hello", {"replica": replica, "generation": generation})
     follower = HybridFollower(channel, replica)
     state = follower._expect("state")

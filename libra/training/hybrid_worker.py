@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libra.backends.config import BackendConfig
+from libra.control.auth import TOKEN_ENV
 from libra.control.lifetime import die_with_parent
 from libra.launch_spec import ArgvSpec
 from libra.logs import configure_logging
@@ -102,6 +103,9 @@ def _write_atomically(path: str, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     spec = HybridReplicaSpec.from_argv(sys.argv[1:] if argv is None else argv)
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise SystemExit(f"{TOKEN_ENV} must be set: the replica proves it to its core rank's lane")
     tp, rank = len(spec.lanes), spec.tp_rank
     if rank > 0:
         # A rank left alone would wait in the replica's rendezvous or a collective on devices
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         spec.lanes[rank],
         replica=spec.replica,
         generation=spec.generation,
+        token=token,
         on_step=lambda step, result: losses.__setitem__(step, result.loss),
     )
     print(

@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     if spec.elastic is not None:
         from libra.training.hybrid import CoreLane, LaneControl
 
-        lane = LaneControl(CoreLane(engine, spec.elastic, host=spec.host))
+        lane = LaneControl(CoreLane(engine, spec.elastic, host=spec.host, token=token))
     servicer = TrainRankServicer(engine, publisher, lane)
 
     def add(server):

@@ -61,7 +61,7 @@ class Launcher:
             training=training_config(1),
             ready_file=str(self.out_dir / f"{tag}.ready"),
         )
-        env = {"PYTHONPATH": str(_REPO), "PYTHONWARNINGS": "ignore"}
+        env = {"PYTHONPATH": str(_REPO), "PYTHONWARNINGS": "ignore", "LIBRA_TOKEN": TOKEN}
         return LaunchSpec(tuple(spec.to_argv()), env=env, cwd=str(_REPO), ready_file=spec.ready_file)
 
 
@@ -120,7 +120,7 @@ def run_core_agent(spec: dict) -> None:
     agent = _spawn_agent(controller, out_dir)  # it starts while the core builds its engine
     client = ClusterClient(controller.address, TOKEN, config.control)
     engine = build_engine(spec, 0, 1, spec["port"])
-    lane = CoreLane(engine, ElasticConfig(gradient_timeout_s=20, activation_timeout_s=60))
+    lane = CoreLane(engine, ElasticConfig(gradient_timeout_s=20, activation_timeout_s=60), token=TOKEN)
     control = LaneControl(lane)
     record: dict = {"losses": [], "states": [], "times": [], "payloads": [], "events": [], "reports": []}
     try:

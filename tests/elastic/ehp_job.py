@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[2]
+LANE_TOKEN = "ehp-lane-token-0123456789"
+"""The run's token both ends of a lane prove (`libra.training.grad_channel`)."""
 
 
 def batch_for_step(step: int):
@@ -111,7 +113,7 @@ def run_core(spec: dict) -> None:
     ranks, rank, tp = spec.get("core_ranks", 1), spec.get("rank", 0), spec.get("core_tp", 1)
     name = "core" if ranks == 1 else f"core{rank}"
     engine = build_engine(spec, rank, ranks, spec["port"], tp)
-    lane = CoreLane(engine, ElasticConfig(gradient_timeout_s=20, activation_timeout_s=60))
+    lane = CoreLane(engine, ElasticConfig(gradient_timeout_s=20, activation_timeout_s=60), token=LANE_TOKEN)
     replica = engine.info.dp_size + engine.info.dp_rank
     out_dir = Path(spec["out_dir"])
     plan = list(spec["joins"])  # one dict per join: zero_sync_steps, active_steps, kill_after
@@ -246,6 +248,7 @@ def run_hybrid(spec: dict) -> None:
         spec["address"],
         replica=spec.get("replica", 1),
         generation=spec["generation"],
+        token=LANE_TOKEN,
         on_step=lambda step, result: losses.__setitem__(step, result.loss),
     )
     out = {"steps": num, "losses": losses, "logprobs_end": engine.compute_logprobs(make_batch(seed=7))}

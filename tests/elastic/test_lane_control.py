@@ -29,7 +29,7 @@ class StandInEngine:
 
 @pytest.fixture
 def control():
-    lane = CoreLane(StandInEngine())
+    lane = CoreLane(StandInEngine(), token="lane-control-test-token")
     yield LaneControl(lane)
     lane.listener.close()
 
