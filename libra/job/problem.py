@@ -47,6 +47,7 @@ def planning_problem(config: LibraConfig, model_dir: Path) -> PlanningProblem:
     job = config.job
     backend = get_backend(config.backend.name, **config.backend.options())
     profile = backend.hardware_profile()
+    engine = config.rollout.instance.for_backend(backend)
     cluster = cluster_spec(profile.devices_per_node, job.num_agents, profile)
     turn = config.rollout.agent.max_tokens_per_turn
     return PlanningProblem(
@@ -64,8 +65,15 @@ def planning_problem(config: LibraConfig, model_dir: Path) -> PlanningProblem:
             tail_staleness=config.training.tail_staleness,
         ),
         history=(RequestRecord(turn, turn),),
-        # What `libra.training.hybrid` pairs: training grows past it by a restart.
-        config=dataclasses.replace(config.planner, hybrid_pool=HYBRID_POOL_LIMITS),
+        config=dataclasses.replace(
+            config.planner,
+            # What `libra.training.hybrid` pairs: training grows past it by a restart.
+            hybrid_pool=HYBRID_POOL_LIMITS,
+            # The engines' own sizes: what they batch and the KV they hold.
+            max_decode_batch=engine.max_num_seqs,
+            rollout_memory_utilization=engine.gpu_memory_utilization,
+            rollout_kv_bytes_per_device=None if engine.kv_cache_gib is None else engine.kv_cache_gib * 2**30,
+        ),
     )
 
 

@@ -63,10 +63,7 @@ class JobRescorer:
             model=problem.model,
             batch=problem.batch,
             workload=WorkloadConfig(group_size=problem.batch.group_size),
-            # An engine batches at most its max_num_seqs requests (the planner's default is larger).
-            planner=dataclasses.replace(
-                problem.config, max_decode_batch=config.rollout.instance.max_num_seqs
-            ),
+            planner=problem.config,  # with the engines' batch and KV sizes (`libra.job.problem`)
             num_steps=steps,
             history_size=history_size,
             cmlfq_max_queue_length=config.scheduler.max_queue_length,

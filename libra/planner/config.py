@@ -377,8 +377,17 @@ class PlannerConfig:
     policy: TriggerPolicy = field(default_factory=TriggerPolicy)
     kv_fragmentation: float = 0.04
     memory_utilization: float = 0.9
-    """Share of device memory an engine may use (vLLM's gpu_memory_utilization; training's cap)."""
+    """Share of device memory training may use, and rollout engines unless
+    `rollout_memory_utilization` says otherwise."""
+    rollout_memory_utilization: float | None = None
+    """Share of device memory a rollout engine takes (vLLM's gpu_memory_utilization; the job sets
+    its engines'); None: `memory_utilization`."""
+    rollout_kv_bytes_per_device: int | None = None
+    """KV-cache bytes each device of a rollout instance holds where engines are sized by bytes
+    (vLLM on the CPU: VLLM_CPU_KVCACHE_SPACE per worker; the job sets its engines'); None: what
+    the rollout memory share leaves after the weight shard and the workspace."""
     max_decode_batch: int = 256
+    """Sequences an engine decodes at once (vLLM's max_num_seqs; the job sets its engines')."""
     activation_workspace_bytes: int = 2 * 2**30
     """Rollout: memory kept free per device for activations and the sampler."""
     execution: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -390,6 +399,14 @@ class PlannerConfig:
             raise ValueError(f"planner.kv_fragmentation must be in [0, 1), got {self.kv_fragmentation}")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"planner.memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.rollout_memory_utilization is not None and not 0 < self.rollout_memory_utilization <= 1:
+            raise ValueError(
+                f"planner.rollout_memory_utilization must be in (0, 1], got {self.rollout_memory_utilization}"
+            )
+        if self.rollout_kv_bytes_per_device is not None and self.rollout_kv_bytes_per_device < 1:
+            raise ValueError(
+                f"planner.rollout_kv_bytes_per_device must be >= 1, got {self.rollout_kv_bytes_per_device}"
+            )
         if self.max_decode_batch < 1 or self.activation_workspace_bytes < 0:
             raise ValueError("planner.max_decode_batch must be >= 1 and activation_workspace_bytes >= 0")
 

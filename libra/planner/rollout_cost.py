@@ -120,9 +120,14 @@ class RolloutCostModel:
         )
 
     def token_capacity(self, tp: int) -> int:
-        profile = self.cluster.profile
-        usable = profile.memory_capacity_bytes * self.config.memory_utilization
-        pool = usable - self.model.weight_bytes / tp - self.config.activation_workspace_bytes
+        """KV tokens a TP-tp instance holds."""
+        config = self.config
+        if config.rollout_kv_bytes_per_device is not None:
+            pool = float(config.rollout_kv_bytes_per_device)
+        else:
+            share = config.rollout_memory_utilization or config.memory_utilization
+            usable = self.cluster.profile.memory_capacity_bytes * share
+            pool = usable - self.model.weight_bytes / tp - config.activation_workspace_bytes
         if pool <= 0:
             return 0
         return int(pool / self.kv_bytes_per_token(tp) * (1.0 - self.config.kv_fragmentation))

@@ -147,8 +147,10 @@ def test_the_simulated_cluster_is_the_jobs(problem):
     config, problem = problem
     sim = _rescorer(config, problem).config
     assert sim.cluster == problem.cluster and sim.model == problem.model and sim.batch == problem.batch
-    # The engines batch at most max_num_seqs; the router queues and fills KV as the job's does.
+    # The planner and the simulation size the engines as they are: max_num_seqs, KV GiB on the CPU.
+    assert sim.planner == problem.config
     assert sim.planner.max_decode_batch == config.rollout.instance.max_num_seqs == 64
+    assert sim.planner.rollout_kv_bytes_per_device == 2**30  # the CPU backend's 1 GiB per engine
     assert sim.cmlfq_max_queue_length == config.scheduler.max_queue_length == 16
     assert (sim.staleness_mode, sim.drop_budget, sim.tail_staleness) == (
         config.training.staleness_mode,

@@ -53,6 +53,22 @@ def test_kv_capacity_by_hand():
     )  # weights do not fit
 
 
+def test_kv_capacity_as_the_engines_are_sized():
+    """An engine sized by a memory share of its own, or by KV bytes (vLLM on the CPU), holds what
+    it is sized to; training's share stays `memory_utilization`."""
+    per_token = 2 * 40 * 8 * 128 * 2
+    half = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(rollout_memory_utilization=0.5), UNIT)
+    pool = 79.3 * 2**30 * 0.5 - 14.77e9 * 2 - 2 * 2**30
+    assert half.token_capacity(1) == int(pool / per_token * 0.96)
+    by_bytes = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(rollout_kv_bytes_per_device=2**30), UNIT)
+    assert by_bytes.token_capacity(1) == int(2**30 / per_token * 0.96)
+    assert by_bytes.token_capacity(8) == int(2**30 / (per_token / 8) * 0.96)  # each device holds its heads
+    with pytest.raises(ValueError, match="rollout_memory_utilization"):
+        PlannerConfig(rollout_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="rollout_kv_bytes_per_device"):
+        PlannerConfig(rollout_kv_bytes_per_device=0)
+
+
 def test_decode_step_by_hand():
     cost = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(), UNIT)
     step = cost.decode_step(4, batch=32, mean_context=3000)
