@@ -165,6 +165,11 @@ class Cluster:
             self._changes += len(agents) + len(workers)
         return len(agents) + len(workers)
 
+    def live_addresses(self) -> set[str]:
+        """The NodeAgent addresses of the agents alive now."""
+        with self._lock:
+            return {a.address for a in self._agents.values() if a.state == AgentState.ALIVE}
+
     def live_agent(self, agent_id: str) -> AgentStatus:
         with self._lock:
             agent = self._agents.get(agent_id)

@@ -237,6 +237,7 @@ class AgentClients:
         if address not in self._stubs:
             self._channels[address] = open_aio_channel(address, self._control)
             self._stubs[address] = agent_pb2_grpc.NodeAgentStub(self._channels[address])
+            await self._close_departed(keep=address)
         try:
             return await getattr(self._stubs[address], method)(
                 request, timeout=self._timeout, metadata=bearer_metadata(self._cluster.credential(agent_id))
@@ -249,6 +250,21 @@ class AgentClients:
             raise RuntimeError(
                 f"agent {agent_id} at {address} failed {method}: {e.code().name}: {e.details()}"
             ) from None
+
+    async def _close_departed(self, keep: str) -> None:
+        """Closes the channels to addresses no live agent has (but `keep`): agents come and go
+        over a long run on a large cluster, and each channel holds a connection and its buffers."""
+        live = self._cluster.live_addresses() | {keep}
+        for address in [a for a in self._channels if a not in live]:
+            self._stubs.pop(address, None)
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                await channel.close()
+
+    @property
+    def open_addresses(self) -> list[str]:
+        """The agent addresses it holds a channel to."""
+        return sorted(self._channels)
 
     async def close(self) -> None:
         for channel in self._channels.values():

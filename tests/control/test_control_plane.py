@@ -128,7 +128,7 @@ def test_devices_are_exclusive_until_the_worker_ends(client, spawn_agent):
     client.start_worker(agent.agent_id, python_worker("next-holder", (0,), "pass"))
 
 
-def test_killed_agent_is_detected_and_its_workers_lost(client, spawn_agent):
+def test_killed_agent_is_detected_and_its_workers_lost(controller, client, spawn_agent):
     survivor, victim = spawn_agent(), spawn_agent()
     watcher = EventCollector(client, after_sequence=client.cluster_state().last_event_sequence)
     orphan = client.start_worker(
@@ -142,8 +142,17 @@ def test_killed_agent_is_detected_and_its_workers_lost(client, spawn_agent):
     watcher.first(EventKind.WORKER_LOST, worker_id="orphan")
     # The worker dies with its agent: nothing keeps holding the devices.
     wait_for(lambda: _gone(orphan.pid), timeout_s=20, what="orphan worker to die")
-    agents = {a.agent_id: a.state.name for a in client.cluster_state().agents}
-    assert agents == {survivor.agent_id: "ALIVE", victim.agent_id: "LOST"}
+    agents = {a.agent_id: a for a in client.cluster_state().agents}
+    assert {name: a.state.name for name, a in agents.items()} == {
+        survivor.agent_id: "ALIVE",
+        victim.agent_id: "LOST",
+    }
+    # The controller's channel to the lost agent is closed once it opens another.
+    assert controller._agents.open_addresses == [agents[victim.agent_id].address]
+    client.start_worker(
+        survivor.agent_id, python_worker("survivor-worker", (0,), "import time; time.sleep(60)")
+    )
+    assert controller._agents.open_addresses == [agents[survivor.agent_id].address]
 
 
 def test_silent_agent_is_lost_within_three_heartbeats(controller, client, spawn_agent):
