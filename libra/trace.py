@@ -211,17 +211,20 @@ def _last_lines(path: Path, count: int, block_bytes: int = 1 << 20) -> list[str]
     if count < 0:
         raise ValueError(f"last must be >= 0, got {count}")
     with open(path, "rb") as f:
-        position, tail = f.seek(0, 2), b""
-        while True:
-            pieces = tail.split(b"\n")
-            # Before the file's start is reached, the first piece may be a line cut by the block.
-            lines = [line for line in (pieces[1:] if position else pieces) if line.strip()]
-            if len(lines) >= count or position == 0:
-                break
+        position, blocks, newlines = f.seek(0, 2), [], 0
+        while position > 0:
+            # Enough newlines for `count` whole lines (blank ones aside): split and count once.
+            if newlines > count:
+                lines = [line for line in b"".join(reversed(blocks)).split(b"\n")[1:] if line.strip()]
+                if len(lines) >= count:
+                    break
             step = min(block_bytes, position)
             position -= step
             f.seek(position)
-            tail = f.read(step) + tail
+            blocks.append(f.read(step))
+            newlines += blocks[-1].count(b"\n")
+        else:  # the whole file was read: its first line is whole
+            lines = [line for line in b"".join(reversed(blocks)).split(b"\n") if line.strip()]
     return [line.decode("utf-8") for line in lines[max(0, len(lines) - count) :]] if count else []
 
 

@@ -234,12 +234,13 @@ class AgentClients:
 
     async def call(self, agent_id: str, method: str, request):
         address = self._cluster.live_agent(agent_id).address
-        if address not in self._stubs:
+        stub = self._stubs.get(address)
+        if stub is None:
             self._channels[address] = open_aio_channel(address, self._control)
-            self._stubs[address] = agent_pb2_grpc.NodeAgentStub(self._channels[address])
+            stub = self._stubs[address] = agent_pb2_grpc.NodeAgentStub(self._channels[address])
             await self._close_departed(keep=address)
         try:
-            return await getattr(self._stubs[address], method)(
+            return await getattr(stub, method)(
                 request, timeout=self._timeout, metadata=bearer_metadata(self._cluster.credential(agent_id))
             )
         except grpc.aio.AioRpcError as e:
@@ -255,11 +256,12 @@ class AgentClients:
         """Closes the channels to addresses no live agent has (but `keep`): agents come and go
         over a long run on a large cluster, and each channel holds a connection and its buffers."""
         live = self._cluster.live_addresses() | {keep}
-        for address in [a for a in self._channels if a not in live]:
-            self._stubs.pop(address, None)
-            channel = self._channels.pop(address, None)
-            if channel is not None:
-                await channel.close()
+        # Taken out before the first await: a call meanwhile opens a fresh channel, never a closing one.
+        departed = [self._channels.pop(a) for a in list(self._channels) if a not in live]
+        for address in [a for a in self._stubs if a not in live]:
+            del self._stubs[address]
+        for channel in departed:
+            await channel.close()
 
     @property
     def open_addresses(self) -> list[str]:
@@ -267,7 +269,8 @@ class AgentClients:
         return sorted(self._channels)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in channels:
             await channel.close()
 
 

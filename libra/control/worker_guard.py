@@ -6,8 +6,9 @@ child the job starts) runs under, so that nothing it started outlives it or its 
 The guard makes itself a child subreaper, asks the kernel for `KILL_TREE_SIGNAL` when its parent
 (OWNER_PID, the agent or the job) dies, and starts COMMAND as its child, in the guard's own process
 group (the guard is started with `start_new_session=True`, so the owner's group signals reach the
-worker and what it spawned). With `--private-tmp=DIR` (a directory its owner made for it,
-`make_private_tmp`) the worker's TMPDIR is DIR, so what its libraries leave in the temp directory
+worker and what it spawned). With `--private-tmp=DIR` (a directory its owner made for it:
+`make_private_tmp`, or the sandbox pool's own for a worker of another uid) the worker's TMPDIR
+is DIR, so what its libraries leave in the temp directory
 (vLLM's ZMQ sockets and `vllm_dist_*` stores, which a killed engine never unlinks) goes with the
 tree: the guard removes DIR, and so does the owner once the guard ended, should it have been
 SIGKILLed with its worker (a whole process group killed at once); torch's compile

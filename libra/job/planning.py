@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -409,7 +408,7 @@ class JobPlanning:
         policy, started = self.planner.policy, self.instances.start_s
         if started and max(started) > policy.reconfiguration_cost_s:
             measured = round(max(started), 1)
-            self.planner.set_policy(dataclasses.replace(policy, reconfiguration_cost_s=measured))
+            self.planner.update_policy(reconfiguration_cost_s=measured)
             self.recorder.event(
                 JobEvent.PLANNER_PRIOR,
                 f"a plan's reconfiguration is priced at {measured} s until one is measured: "

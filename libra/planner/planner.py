@@ -160,7 +160,7 @@ class Planner:
     def _locked(self, wait_s: float | None = None, doing: str = "deciding"):
         """The planner's lock, waited for at most `wait_s` (None: as long as it takes), else
         `PlannerBusy` saying what holds it; `doing` is what this holder will be doing."""
-        if not self._lock.acquire(timeout=-1 if wait_s is None else wait_s):
+        if not self._lock.acquire(timeout=-1 if wait_s is None else wait_s) and not self._lock.acquire(False):
             what, since = self._activity
             raise PlannerBusy(
                 f"the planner has been busy {what} for {time.monotonic() - since:.0f} s; retry later"
@@ -179,9 +179,21 @@ class Planner:
     def set_policy(self, policy: TriggerPolicy, wait_s: float | None = None) -> None:
         """Replaces the trigger and apply policy (waiting at most `wait_s` for a re-plan in progress)."""
         with self._locked(wait_s, "setting its policy"):
-            config = dataclasses.replace(self._problem.config, policy=policy)
-            self._problem = dataclasses.replace(self._problem, config=config)
-            self._trigger.policy = policy
+            self._set_policy(policy)
+
+    def update_policy(self, wait_s: float | None = None, **changes) -> TriggerPolicy:
+        """Changes the named fields of the policy in force, under the lock (two callers changing
+        different fields both keep theirs); returns the new policy. ValueError for a policy the
+        planner refuses."""
+        with self._locked(wait_s, "setting its policy"):
+            policy = dataclasses.replace(self.policy, **changes)
+            self._set_policy(policy)
+            return policy
+
+    def _set_policy(self, policy: TriggerPolicy) -> None:
+        config = dataclasses.replace(self._problem.config, policy=policy)
+        self._problem = dataclasses.replace(self._problem, config=config)
+        self._trigger.policy = policy
 
     @property
     def history(self) -> tuple[RequestRecord, ...]:
@@ -333,7 +345,6 @@ class Planner:
         invalid; `PlannerBusy` if a re-plan holds the planner for longer than `wait_s`)."""
         with self._locked(wait_s, "adopting an external plan"):
             priced = evaluate_plan(self._problem, plan, *self.calibrated_factors())
-            self._set_candidate(None)
             return self._adopt(priced, f"external plan{': ' + reason if reason else ''}")
 
     def accept_candidate(self, reason: str = "", wait_s: float | None = None) -> Adoption:
@@ -341,7 +352,6 @@ class Planner:
             candidate = self.candidate
             if candidate is None:
                 raise RuntimeError("no candidate plan is pending")
-            self._set_candidate(None)
             return self._adopt(candidate, f"candidate accepted{': ' + reason if reason else ''}")
 
     def veto_candidate(self, reason: str = "", wait_s: float | None = None) -> None:
@@ -355,7 +365,8 @@ class Planner:
         plan, actions = diff_plans(
             self.current, plan, cut_inflight=self.policy.cut_inflight, pool=self._problem.config.hybrid_pool
         )
-        self.state = dataclasses.replace(self.state, current=plan, version=self.version + 1)
+        # One replacement: a reader sees the plan, its version and no stale candidate together.
+        self.state = PlannerState(current=plan, version=self.version + 1, candidate=None)
         self._calibration.restart()
         reason = f"v{self.version}: {why}; step {plan.predicted_step_s:.3f} s, {len(actions)} actions"
         self._emit("applied", reason)

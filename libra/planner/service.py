@@ -7,7 +7,6 @@ service adder to `Controller.start(services=...)`."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import grpc
@@ -159,16 +158,12 @@ def policy_to_proto(policy: TriggerPolicy) -> planner_pb2.PlannerPolicy:
     return planner_pb2.PlannerPolicy(**{name: getattr(policy, name) for name in POLICY_FIELDS})
 
 
-def policy_from_proto(
-    msg: planner_pb2.PlannerPolicy, fields: list[str], base: TriggerPolicy
-) -> TriggerPolicy:
+def policy_changes(msg: planner_pb2.PlannerPolicy, fields: list[str]) -> dict[str, object]:
+    """The policy fields a SetPlannerPolicy request sets (`fields`; empty: all) and their values."""
     unknown = [f for f in fields if f not in POLICY_FIELDS]
     if unknown:
         raise InvalidArgument(f"fields names unknown policy fields {unknown}; known: {list(POLICY_FIELDS)}")
-    try:
-        return dataclasses.replace(base, **{name: getattr(msg, name) for name in (fields or POLICY_FIELDS)})
-    except ValueError as e:
-        raise InvalidArgument(str(e)) from e
+    return {name: getattr(msg, name) for name in (fields or POLICY_FIELDS)}
 
 
 class PlannerServicer(planner_pb2_grpc.PlannerServiceServicer):
@@ -208,8 +203,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServiceServicer):
     def SetPlannerPolicy(
         self, request, context: grpc.ServicerContext
     ) -> planner_pb2.SetPlannerPolicyResponse:
-        policy = policy_from_proto(request.policy, list(request.fields), self.planner.policy)
-        self.planner.set_policy(policy, wait_s=OPERATOR_WAIT_S)
+        changes = policy_changes(request.policy, list(request.fields))
+        try:
+            policy = self.planner.update_policy(wait_s=OPERATOR_WAIT_S, **changes)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
         return planner_pb2.SetPlannerPolicyResponse(policy=policy_to_proto(policy))
 
 

@@ -34,6 +34,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,9 +47,11 @@ _GREETING = b"libra-lane/1"
 _NONCE_BYTES = 32
 _PROOF_BYTES = hashlib.sha256().digest_size
 HANDSHAKE_TIMEOUT_S = 10.0
-"""How long either end waits for the other's proof."""
+"""How long the listener gives a connection to prove itself, all of it (not per read: a peer
+that drips a byte at a time is dropped as surely as one that says nothing)."""
 MAX_PENDING_HANDSHAKES = 8
-"""Connections a listener proves at once; more are closed at once (a flood ties up no more)."""
+"""Connections a listener proves at once; further ones wait in the kernel's backlog, so a flood
+of stalling peers delays a replica by at most a handshake timeout per slot, never refuses it."""
 
 
 class PeerLost(ConnectionError):
@@ -63,9 +66,14 @@ def _proof(token: str, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(token.encode(), role + first + second, hashlib.sha256).digest()
 
 
-def _receive(sock: socket.socket, n: int) -> bytes:
+def _receive(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """`n` bytes, all of them by `deadline` (monotonic; TimeoutError after it)."""
     data = b""
     while len(data) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the handshake's {n} bytes did not arrive in time ({len(data)} did)")
+        sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise LaneRefused(
@@ -77,25 +85,31 @@ def _receive(sock: socket.socket, n: int) -> bytes:
 
 def _prove_as_listener(sock: socket.socket, token: str) -> None:
     """The listener's half: challenge, check the connecting end's proof, answer with its own."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     challenge = secrets.token_bytes(_NONCE_BYTES)
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
     sock.sendall(_GREETING + challenge)
-    reply = _receive(sock, _NONCE_BYTES + _PROOF_BYTES)
+    reply = _receive(sock, _NONCE_BYTES + _PROOF_BYTES, deadline)
     nonce, proof = reply[:_NONCE_BYTES], reply[_NONCE_BYTES:]
     if not hmac.compare_digest(proof, _proof(token, b"connect", challenge, nonce)):
         raise LaneRefused("the connecting end did not prove the run's token")
     sock.sendall(_proof(token, b"listen", nonce, challenge))
 
 
-def _prove_as_connector(sock: socket.socket, token: str, address: str) -> None:
-    """The connecting end's half: answer the challenge, then check the listener's proof."""
-    greeting = _receive(sock, len(_GREETING) + _NONCE_BYTES)
+def _prove_as_connector(sock: socket.socket, token: str, address: str, timeout_s: float) -> None:
+    """The connecting end's half: answer the challenge (it may wait `timeout_s` for it, behind
+    other connections in the listener's backlog), then check the listener's proof."""
+    try:
+        greeting = _receive(sock, len(_GREETING) + _NONCE_BYTES, time.monotonic() + timeout_s)
+    except TimeoutError:
+        raise LaneRefused(f"{address} sent no lane greeting within {timeout_s:.0f} s") from None
     if not greeting.startswith(_GREETING):
         raise LaneRefused(f"{address} is not a Libra lane (it greeted with {greeting[:16]!r})")
     challenge, nonce = greeting[len(_GREETING) :], secrets.token_bytes(_NONCE_BYTES)
     sock.sendall(nonce + _proof(token, b"connect", challenge, nonce))
     try:
-        proof = _receive(sock, _PROOF_BYTES)
-    except LaneRefused:
+        proof = _receive(sock, _PROOF_BYTES, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+    except (LaneRefused, TimeoutError):
         raise LaneRefused(
             f"the lane at {address} refused this end's proof: is it the same run's token?"
         ) from None
@@ -152,12 +166,11 @@ class Channel:
         host, port = address.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            _prove_as_connector(sock, token, address)
+            _prove_as_connector(sock, token, address, timeout_s)
+            return cls(sock)
         except BaseException:
             sock.close()
             raise
-        return cls(sock)
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -242,38 +255,42 @@ class Listener:
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._accepted: queue.Queue[Channel] = queue.Queue()
         self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
         self.refused = 0
-        """Connections closed unproven: a wrong or missing token, a stall, or too many at once."""
+        """Connections closed unproven: a wrong or missing token, a stall."""
         threading.Thread(target=self._accept_loop, daemon=True, name="grad-channel-accept").start()
 
     def _accept_loop(self) -> None:
-        while True:
+        while not self._closed.is_set():
+            if not self._pending.acquire(timeout=1.0):
+                continue  # every slot is proving a connection; new ones wait in the backlog
             try:
                 sock, peer = self._sock.accept()
             except OSError:
+                self._pending.release()
                 return
-            if not self._pending.acquire(blocking=False):
-                self._refuse(sock, peer, f"{MAX_PENDING_HANDSHAKES} handshakes already in progress")
-                continue
             threading.Thread(
                 target=self._prove, args=(sock, peer), daemon=True, name="grad-channel-handshake"
             ).start()
 
     def _prove(self, sock: socket.socket, peer) -> None:
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
             _prove_as_listener(sock, self._token)
-        except (OSError, LaneRefused) as e:
-            self._refuse(sock, peer, str(e) or type(e).__name__)
+            channel = Channel(sock)
+        except OSError as e:  # LaneRefused and TimeoutError among them
+            with self._lock:
+                self.refused += 1
+            logger.warning("lane %s refused a connection from %s: %s", self.address, peer, e)
+            sock.close()
             return
         finally:
             self._pending.release()
-        self._accepted.put(Channel(sock))
-
-    def _refuse(self, sock: socket.socket, peer, why: str) -> None:
-        self.refused += 1
-        logger.warning("lane %s refused a connection from %s: %s", self.address, peer, why)
-        sock.close()
+        with self._lock:
+            if self._closed.is_set():
+                channel.close()
+            else:
+                self._accepted.put(channel)
 
     def poll(self) -> Channel | None:
         try:
@@ -282,4 +299,9 @@ class Listener:
             return None
 
     def close(self) -> None:
+        """Stops listening; closes the connections proven but never taken."""
+        with self._lock:
+            self._closed.set()
         self._sock.close()
+        while (channel := self.poll()) is not None:
+            channel.close()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from libra.training import grad_channel
-from libra.training.grad_channel import Channel, LaneRefused, Listener
+from libra.training.grad_channel import MAX_PENDING_HANDSHAKES, Channel, LaneRefused, Listener
 from tests.control.helpers import wait_for
 
 TOKEN = "lane-test-token-0123456789"
@@ -74,25 +74,58 @@ def test_a_replica_does_not_follow_a_core_without_the_token():
 
 def test_a_raw_peer_gets_no_frame_in(listener):
     """Bytes that skip the handshake (a frame sent at once) are a failed proof, not a frame."""
-    with socket.create_connection(tuple(_host_port(listener.address))) as raw:
+    with socket.create_connection(_host_port(listener.address)) as raw:
         raw.sendall(b"\x00" * 200)
         wait_for(lambda: listener.refused == 1, timeout_s=10, what="the refusal")
     assert listener.poll() is None
 
 
 def test_a_stalled_peer_does_not_hold_up_the_replica(listener, monkeypatch):
-    monkeypatch.setattr(grad_channel, "HANDSHAKE_TIMEOUT_S", 1.0)
-    stalled = socket.create_connection(tuple(_host_port(listener.address)))  # connects, says nothing
+    monkeypatch.setattr(grad_channel, "HANDSHAKE_TIMEOUT_S", 3.0)
+    stalled = socket.create_connection(_host_port(listener.address))  # connects, says nothing
     try:
-        started = time.monotonic()
         replica = Channel.connect(listener.address, TOKEN)
         core = _accepted(listener)
-        assert time.monotonic() - started < grad_channel.HANDSHAKE_TIMEOUT_S
+        assert listener.refused == 0  # the replica was proven while the stalled peer still waited
         wait_for(lambda: listener.refused == 1, timeout_s=10, what="the stalled peer's refusal")
         replica.close()
         core.close()
     finally:
         stalled.close()
+
+
+def test_a_peer_that_drips_bytes_is_dropped_at_the_handshake_deadline(listener, monkeypatch):
+    """The deadline is the handshake's, not each read's: 44 bytes at one per 0.3 s would take
+    13 s."""
+    monkeypatch.setattr(grad_channel, "HANDSHAKE_TIMEOUT_S", 1.5)
+    with socket.create_connection(_host_port(listener.address)) as dripping:
+        started = time.monotonic()
+        try:
+            while listener.refused == 0 and time.monotonic() - started < 12:
+                dripping.sendall(b"x")
+                time.sleep(0.3)
+        except OSError:
+            pass  # the listener closed the connection
+        wait_for(lambda: listener.refused == 1, timeout_s=5, what="the dripping peer's refusal")
+        assert time.monotonic() - started < 12
+    assert listener.poll() is None
+
+
+def test_a_flood_of_stalled_peers_delays_the_replica_but_never_refuses_it(listener, monkeypatch):
+    monkeypatch.setattr(grad_channel, "HANDSHAKE_TIMEOUT_S", 1.0)
+    flood = [
+        socket.create_connection(_host_port(listener.address)) for _ in range(2 * MAX_PENDING_HANDSHAKES)
+    ]
+    try:
+        replica = Channel.connect(listener.address, TOKEN)  # waits in the backlog for a free slot
+        core = _accepted(listener)
+        core.send("state", {"step": 1})
+        assert replica.recv(timeout_s=10).meta == {"step": 1}
+        replica.close()
+        core.close()
+    finally:
+        for sock in flood:
+            sock.close()
 
 
 def test_a_lane_needs_a_token():

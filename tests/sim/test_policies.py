@@ -146,8 +146,6 @@ def test_config_validation_names_the_field():
         tiny_config(workload=dataclasses.replace(tiny_config().workload, group_size=8))
     with pytest.raises(ValueError, match="sim.profile"):
         tiny_config(profile="tpu")
-    with pytest.raises(ValueError, match="cmlfq.kv_full_fraction"):
-        tiny_config(cmlfq=CmlfqConfig(kv_full_fraction=0.0))
     with pytest.raises(ValueError, match="sim.planner_rescore_steps"):
         tiny_config(planner_rescore_steps=-1)
 
