@@ -17,9 +17,10 @@ a challenge-response with HMAC-SHA256 over both ends' fresh nonces, so the token
 the wire and a recorded exchange cannot be replayed. The listener's port is open on a host's
 routable address for the whole run; without the proof, anyone who reached it could feed the
 core rank gradients, or pose as a core rank to a hybrid replica, which unpickles what its core
-sends. A peer that fails or stalls in the proof is dropped without holding up the others
-(`Listener.refused` counts them). Frames are not encrypted, as the collectives of the rest of the
-data plane (NCCL, Gloo) are not: keep the training network private.
+sends. A peer that fails the proof, or has not finished it within `HANDSHAKE_TIMEOUT_S`, is
+dropped (`Listener.refused` counts them); a few such peers at once delay a replica by a
+timeout. Frames are not encrypted, as the collectives of the rest of the data plane (NCCL, Gloo)
+are not: keep the training network private.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 """How long the listener gives a connection to prove itself, all of it (not per read: a peer
 that drips a byte at a time is dropped as surely as one that says nothing)."""
 MAX_PENDING_HANDSHAKES = 8
-"""Connections a listener proves at once; further ones wait in the kernel's backlog, so a flood
-of stalling peers delays a replica by at most a handshake timeout per slot, never refuses it."""
+"""Connections a listener proves at once; further ones wait in the kernel's backlog: N stalling
+peers ahead of a replica delay it by about ceil(N / 8) handshake timeouts (it waits up to its
+connect timeout for the greeting). A sustained flood is the private network's to prevent."""
 
 
 class PeerLost(ConnectionError):
@@ -267,12 +269,16 @@ class Listener:
                 continue  # every slot is proving a connection; new ones wait in the backlog
             try:
                 sock, peer = self._sock.accept()
-            except OSError:
+            except OSError:  # the listener was closed
                 self._pending.release()
                 return
-            threading.Thread(
-                target=self._prove, args=(sock, peer), daemon=True, name="grad-channel-handshake"
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._prove, args=(sock, peer), daemon=True, name="grad-channel-handshake"
+                ).start()
+            except RuntimeError:  # no thread to be had: the peer sees the connection close
+                self._pending.release()
+                sock.close()
 
     def _prove(self, sock: socket.socket, peer) -> None:
         try:
@@ -302,6 +308,10 @@ class Listener:
         """Stops listening; closes the connections proven but never taken."""
         with self._lock:
             self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes an accept() blocked in the loop's thread
+        except OSError:
+            pass
         self._sock.close()
         while (channel := self.poll()) is not None:
             channel.close()

@@ -81,7 +81,7 @@ def test_a_raw_peer_gets_no_frame_in(listener):
 
 
 def test_a_stalled_peer_does_not_hold_up_the_replica(listener, monkeypatch):
-    monkeypatch.setattr(grad_channel, "HANDSHAKE_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(grad_channel, "HANDSHAKE_TIMEOUT_S", 5.0)
     stalled = socket.create_connection(_host_port(listener.address))  # connects, says nothing
     try:
         replica = Channel.connect(listener.address, TOKEN)
@@ -95,8 +95,8 @@ def test_a_stalled_peer_does_not_hold_up_the_replica(listener, monkeypatch):
 
 
 def test_a_peer_that_drips_bytes_is_dropped_at_the_handshake_deadline(listener, monkeypatch):
-    """The deadline is the handshake's, not each read's: 44 bytes at one per 0.3 s would take
-    13 s."""
+    """The deadline is the handshake's, not each read's: the 64 bytes of a proof at one per
+    0.3 s would take 19 s."""
     monkeypatch.setattr(grad_channel, "HANDSHAKE_TIMEOUT_S", 1.5)
     with socket.create_connection(_host_port(listener.address)) as dripping:
         started = time.monotonic()
@@ -138,3 +138,11 @@ def test_a_lane_needs_a_token():
 def _host_port(address: str) -> tuple[str, int]:
     host, port = address.rsplit(":", 1)
     return host, int(port)
+
+
+def test_a_closed_listener_stops_listening():
+    lane = Listener(TOKEN)
+    address = lane.address
+    lane.close()
+    with pytest.raises(OSError):  # refused outright, not proven and then dropped
+        Channel.connect(address, TOKEN, timeout_s=5)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -14,7 +13,7 @@ from libra.control.auth import open_channel
 from libra.control.config import ControlConfig
 from libra.control.server import start_server
 from libra.planner.config import PlanningProblem
-from libra.planner.planner import Planner, PlannerState
+from libra.planner.planner import Planner
 from libra.planner.service import add_planner_service, plan_to_proto
 from libra.v1 import planner_pb2, planner_pb2_grpc
 
@@ -154,9 +153,9 @@ def test_operator_calls_do_not_wait_out_a_long_rescoring(problem):
     assert planner.version == 1 and planner.policy.plan_interval != 3
 
 
-def test_policy_changes_are_merged_under_the_lock(problem):
-    """Two operators setting different fields both keep theirs: the planner merges each change
-    into the policy in force when it applies it, not into what the caller read."""
+def test_policy_changes_merge_into_the_policy_in_force(problem):
+    """SetPlannerPolicy hands the planner only the fields it sets, merged under its lock into the
+    policy in force then: two operators setting different fields both keep theirs."""
     planner = Planner(problem)
     planner.update_policy(plan_interval=3)
     assert planner.update_policy(min_gain_ratio=0.2).plan_interval == 3
@@ -164,12 +163,3 @@ def test_policy_changes_are_merged_under_the_lock(problem):
     with pytest.raises(ValueError, match="hysteresis"):
         planner.update_policy(hysteresis=2.0)
     assert planner.policy.hysteresis == problem.config.policy.hysteresis
-
-
-def test_an_adoption_leaves_no_stale_candidate(problem):
-    planner = Planner(problem)
-    planner.initial_plan()
-    planner.set_policy(dataclasses.replace(planner.policy, auto_apply=False))
-    planner._set_candidate(planner.current)  # as a re-plan leaves one when auto_apply is off
-    adoption = planner.propose(planner.current, "operator")
-    assert planner.state == PlannerState(adoption.plan, adoption.version, None)
