@@ -174,7 +174,8 @@ class Instance:
     evictions: int = 0
     """Prefix-cache entries evicted to make room."""
     evicted_prefill_tokens: float = 0.0
-    """Tokens prefilled again because the cached prefix a turn counted on had been evicted."""
+    """Tokens prefilled again because the cached prefix a turn counted on was gone: evicted, or
+    dropped with the cache by new weights."""
     retired: bool = False
 
     def __post_init__(self) -> None:

@@ -71,7 +71,9 @@ class SimResult:
     prefix_evictions: int = 0
     """Prefix-cache entries rollout instances evicted to make room."""
     evicted_prefill_tokens: float = 0.0
-    """Tokens re-prefilled because a trajectory's cached prefix had been evicted."""
+    """Tokens prefilled again because a trajectory's cached prefix was gone when its turn was
+    admitted: evicted, or emptied with the rest of the cache by new weights (most of it on the
+    paper-scale runs: a publish every step)."""
     busy_by_tp: dict[int, float] = field(default_factory=dict)
     """Rollout busy device-seconds per instance TP size."""
     tokens_by_tp: dict[int, float] = field(default_factory=dict)

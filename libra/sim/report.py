@@ -17,12 +17,12 @@ from libra.sim.runner import Comparison
 
 def comparison_table(comparison: Comparison) -> str:
     """One row per policy: throughput, step time and its breakdown, idle shares, tail, staleness,
-    movement (migrations, and prefixes evicted from the instances' caches with the tokens that
-    cost in re-prefill)."""
+    movement (migrations, prefixes evicted from the instances' caches, and the tokens prefilled
+    again because a turn's cached prefix was gone: evicted, or emptied by new weights)."""
     rows = [
         "| policy | trained tok/s | traj/s | step s | train s | wait s | stall s | ideal s | step/ideal "
         "| idle train | idle rollout | tail share | staleness mean/max | dropped (share) | migrations/turn "
-        "| prefix evictions (re-prefilled tok) | plans applied |",
+        "| prefix evictions (tok re-prefilled on a miss) | plans applied |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in comparison.results.items():
