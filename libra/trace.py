@@ -210,21 +210,22 @@ def _last_lines(path: Path, count: int, block_bytes: int = 1 << 20) -> list[str]
     """The file's last `count` non-blank lines, in order, reading blocks back from its end."""
     if count < 0:
         raise ValueError(f"last must be >= 0, got {count}")
+
+    def whole_lines(blocks: list[bytes], at_start: bool) -> list[bytes]:
+        pieces = b"".join(reversed(blocks)).split(b"\n")
+        # Before the file's start is reached, the first piece may be a line cut by the block.
+        return [line for line in (pieces if at_start else pieces[1:]) if line.strip()]
+
     with open(path, "rb") as f:
         position, blocks, newlines = f.seek(0, 2), [], 0
-        while position > 0:
-            # Enough newlines for `count` whole lines (blank ones aside): split and count once.
-            if newlines > count:
-                lines = [line for line in b"".join(reversed(blocks)).split(b"\n")[1:] if line.strip()]
-                if len(lines) >= count:
-                    break
+        # Split only once enough newlines for `count` lines were read (blank ones aside).
+        while position > 0 and not (newlines > count and len(whole_lines(blocks, False)) >= count):
             step = min(block_bytes, position)
             position -= step
             f.seek(position)
             blocks.append(f.read(step))
             newlines += blocks[-1].count(b"\n")
-        else:  # the whole file was read: its first line is whole
-            lines = [line for line in b"".join(reversed(blocks)).split(b"\n") if line.strip()]
+    lines = whole_lines(blocks, position == 0)
     return [line.decode("utf-8") for line in lines[max(0, len(lines) - count) :]] if count else []
 
 

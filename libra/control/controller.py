@@ -229,15 +229,17 @@ class AgentClients:
         self._cluster = cluster
         self._control = control
         self._timeout = rpc_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, agent_pb2_grpc.NodeAgentStub] = {}
+        self._clients: dict[str, tuple[grpc.aio.Channel, agent_pb2_grpc.NodeAgentStub]] = {}
+        """Agent address -> its channel and the stub over it."""
 
     async def call(self, agent_id: str, method: str, request):
         address = self._cluster.live_agent(agent_id).address
-        stub = self._stubs.get(address)
-        if stub is None:
-            self._channels[address] = open_aio_channel(address, self._control)
-            stub = self._stubs[address] = agent_pb2_grpc.NodeAgentStub(self._channels[address])
+        if address in self._clients:
+            _, stub = self._clients[address]
+        else:
+            channel = open_aio_channel(address, self._control)
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            self._clients[address] = channel, stub
             await self._close_departed(keep=address)
         try:
             return await getattr(stub, method)(
@@ -257,20 +259,18 @@ class AgentClients:
         over a long run on a large cluster, and each channel holds a connection and its buffers."""
         live = self._cluster.live_addresses() | {keep}
         # Taken out before the first await: a call meanwhile opens a fresh channel, never a closing one.
-        departed = [self._channels.pop(a) for a in list(self._channels) if a not in live]
-        for address in [a for a in self._stubs if a not in live]:
-            del self._stubs[address]
+        departed = [self._clients.pop(a)[0] for a in list(self._clients) if a not in live]
         for channel in departed:
             await channel.close()
 
     @property
     def open_addresses(self) -> list[str]:
         """The agent addresses it holds a channel to."""
-        return sorted(self._channels)
+        return sorted(self._clients)
 
     async def close(self) -> None:
-        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
-        for channel in channels:
+        clients, self._clients = list(self._clients.values()), {}
+        for channel, _ in clients:
             await channel.close()
 
 
