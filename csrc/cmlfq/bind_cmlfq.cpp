@@ -50,16 +50,17 @@ void bind_cmlfq(py::module_& m) {
   py::class_<Scheduler>(m, "CmlfqScheduler", "The C-MLFQ core; arguments are validated by CmlfqConfig.")
       .def(py::init([](std::vector<int64_t> thresholds, uint32_t max_queue_length, uint32_t p90_window,
                        uint32_t rebuild_window, uint32_t rebuild_interval, bool demote, double kv_full_fraction,
-                       const std::vector<SpeedTuple>& speeds, double draining_fraction) {
+                       const std::vector<SpeedTuple>& speeds, double draining_fraction,
+                       double fair_share_headroom) {
              return std::make_unique<Scheduler>(cmlfq::Config{std::move(thresholds), max_queue_length,
                                                               kv_full_fraction, p90_window, rebuild_window,
                                                               rebuild_interval, demote, as_speeds(speeds),
-                                                              draining_fraction});
+                                                              draining_fraction, fair_share_headroom});
            }),
            py::arg("bucket_thresholds"), py::arg("max_queue_length"), py::arg("p90_window"),
            py::arg("rebuild_window"), py::arg("rebuild_interval"), py::arg("demote") = false,
            py::arg("kv_full_fraction") = 0.85, py::arg("bucket_speeds") = std::vector<SpeedTuple>{},
-           py::arg("draining_fraction") = 0.25,
+           py::arg("draining_fraction") = 0.25, py::arg("fair_share_headroom") = 0.0,
            "bucket_speeds: empty, or (step_s, per_sequence_s, move_linear_s, move_quadratic_s) per bucket.")
       .def("admit", [](Scheduler& s, const std::string& t, const std::string& prompt) { return as_tuple(s.admit(t, prompt)); },
            release_gil())

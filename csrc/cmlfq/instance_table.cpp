@@ -13,8 +13,13 @@ bool id_less(const InstanceLoad& load, InstanceId id) { return load.id < id; }
 
 }  // namespace
 
-InstanceTable::InstanceTable(uint32_t num_buckets, uint32_t max_queue_length, double kv_full_fraction)
-    : max_queue_length_(max_queue_length), kv_full_fraction_(kv_full_fraction), by_bucket_(num_buckets) {}
+InstanceTable::InstanceTable(uint32_t num_buckets, uint32_t max_queue_length, double kv_full_fraction,
+                             double fair_share_headroom, double draining_fraction)
+    : max_queue_length_(max_queue_length),
+      kv_full_fraction_(kv_full_fraction),
+      fair_share_headroom_(fair_share_headroom),
+      draining_fraction_(draining_fraction),
+      by_bucket_(num_buckets) {}
 
 void InstanceTable::add(InstanceId id, uint32_t bucket, bool ready, uint32_t weight) {
   if (id < 0) throw std::invalid_argument("instance ids must be non-negative");
@@ -74,23 +79,38 @@ void InstanceTable::set_kv(InstanceId id, int64_t used, int64_t capacity) {
 
 bool InstanceTable::is_ready(InstanceId id) const { return id != kNoInstance && at(id).ready; }
 
-bool InstanceTable::room(const InstanceLoad& load) const {
-  return uint64_t{load.active} < uint64_t{max_queue_length_} * load.weight &&
-         (load.kv_capacity == 0 || load.kv_used < load.kv_full_at);
-}
-
-bool InstanceTable::draining(double fraction) const {
-  uint64_t active = 0, cap = 0;
+InstanceTable::PoolLoad InstanceTable::pool_load() const {
+  PoolLoad pool;
   for (const InstanceLoad& load : instances_) {
     if (!load.ready) continue;
-    active += load.active;
-    cap += uint64_t{max_queue_length_} * load.weight;
+    pool.active += load.active;
+    pool.weight += load.weight;
+    pool.cap += uint64_t{max_queue_length_} * load.weight;
   }
-  return cap > 0 && static_cast<double>(active) <= fraction * static_cast<double>(cap);
+  pool.draining =
+      pool.cap > 0 && static_cast<double>(pool.active) <= draining_fraction_ * static_cast<double>(pool.cap);
+  return pool;
 }
 
+bool InstanceTable::room(const InstanceLoad& load, const PoolLoad& pool) const {
+  if (uint64_t{load.active} >= uint64_t{max_queue_length_} * load.weight) return false;
+  if (load.kv_capacity != 0 && load.kv_used >= load.kv_full_at) return false;
+  // The fair-share bound, active / weight < headroom * (pool active + 1) / pool weight: without it
+  // admission to the smallest bucket fills the small instances to their static caps, and a static
+  // cap cannot know how many trajectories the pool will hold. Strict, with the trajectory being
+  // placed counted, so that where every instance holds its share one still takes the next. While
+  // the pool drains the tail should reach the fastest instances: only the static caps apply.
+  if (fair_share_headroom_ == 0 || pool.draining) return true;
+  return static_cast<double>(uint64_t{load.active} * pool.weight) <
+         fair_share_headroom_ * static_cast<double>(pool.active + 1) * static_cast<double>(load.weight);
+}
+
+bool InstanceTable::draining() const { return pool_load().draining; }
+
 bool InstanceTable::has_room(uint32_t bucket) const {
-  return bucket < by_bucket_.size() && least_loaded(by_bucket_[bucket], kNoInstance, true) != kNone;
+  if (bucket >= by_bucket_.size()) return false;
+  const PoolLoad pool = pool_load();
+  return least_loaded(by_bucket_[bucket], kNoInstance, &pool) != kNone;
 }
 
 // Adding and removing instances is rare (the planner does it), so the bucket index is rebuilt whole.
@@ -114,11 +134,11 @@ const InstanceLoad& InstanceTable::at(InstanceId id) const {
 }
 
 uint32_t InstanceTable::least_loaded(const std::vector<uint32_t>& candidates, InstanceId previous,
-                                     bool capped) const {
+                                     const PoolLoad* capped) const {
   uint32_t best = kNone;
   for (const uint32_t i : candidates) {
     const InstanceLoad& load = instances_[i];
-    if (!load.ready || (capped && !room(load))) continue;
+    if (!load.ready || (capped != nullptr && !room(load, *capped))) continue;
     if (best == kNone) {
       best = i;
       continue;
@@ -132,19 +152,20 @@ uint32_t InstanceTable::least_loaded(const std::vector<uint32_t>& candidates, In
 }
 
 Placement InstanceTable::place(uint32_t bucket, InstanceId previous) const {
-  if (const uint32_t i = least_loaded(by_bucket_[bucket], previous, true); i != kNone) {
+  const PoolLoad pool = pool_load();
+  if (const uint32_t i = least_loaded(by_bucket_[bucket], previous, &pool); i != kNone) {
     return {bucket, instances_[i].id, std::nullopt};
   }
   const auto num_buckets = static_cast<int64_t>(by_bucket_.size());
   for (int64_t distance = 1; distance < num_buckets; ++distance) {
     for (const int64_t other : {bucket + distance, bucket - distance}) {
       if (other < 0 || other >= num_buckets) continue;
-      if (const uint32_t i = least_loaded(by_bucket_[other], previous, true); i != kNone) {
+      if (const uint32_t i = least_loaded(by_bucket_[other], previous, &pool); i != kNone) {
         return {static_cast<uint32_t>(other), instances_[i].id, Reason::kBucketSaturatedFallback};
       }
     }
   }
-  if (const uint32_t i = least_loaded(all_, previous, false); i != kNone) {
+  if (const uint32_t i = least_loaded(all_, previous, nullptr); i != kNone) {
     return {instances_[i].bucket, instances_[i].id, Reason::kAnyInstanceFallback};
   }
   return {bucket, kNoInstance, Reason::kNoInstance};

@@ -31,7 +31,9 @@ struct Placement {
 
 class InstanceTable {
  public:
-  InstanceTable(uint32_t num_buckets, uint32_t max_queue_length, double kv_full_fraction);
+  // fair_share_headroom: 0, or >= 1 (see `room`); draining_fraction in [0, 1] (see `draining`).
+  InstanceTable(uint32_t num_buckets, uint32_t max_queue_length, double kv_full_fraction,
+                double fair_share_headroom, double draining_fraction);
 
   // weight >= 1: loads compare as active / weight, and the cap is max_queue_length * weight, so a
   // TP-8 instance that holds ten times the sequences of a TP-1 one takes ten times the load.
@@ -42,14 +44,13 @@ class InstanceTable {
   // kv_used >= kv_full_fraction * kv_capacity it has no room, whatever its trajectory count.
   void set_kv(InstanceId id, int64_t used, int64_t capacity);
   bool is_ready(InstanceId id) const;  // false for kNoInstance
-  // A ready instance of the bucket has room: fewer than its cap of live trajectories and, if it
-  // reported its KV, less than kv_full_fraction of it in use.
+  // A ready instance of the bucket has room (see `room`).
   bool has_room(uint32_t bucket) const;
   uint32_t bucket_of(InstanceId id) const { return at(id).bucket; }
   uint32_t active_of(InstanceId id) const { return at(id).active; }
-  // The ready instances' live trajectories are at most `fraction` of their caps (compared in
-  // doubles, as the Python reference does).
-  bool draining(double fraction) const;
+  // The ready instances' live trajectories are at most draining_fraction of their caps
+  // (max_queue_length x weight; compared in doubles, as the Python reference does).
+  bool draining() const;
   // A new bucket count, and the new bucket of every instance (each named exactly once). Throws
   // std::invalid_argument, changing nothing, when the mapping is not exactly that.
   void rebucket(uint32_t num_buckets, const std::vector<std::pair<InstanceId, uint32_t>>& buckets);
@@ -69,14 +70,31 @@ class InstanceTable {
  private:
   static constexpr uint32_t kNone = UINT32_MAX;
 
+  // What the ready instances hold together, taken once per placement.
+  struct PoolLoad {
+    uint64_t active = 0;
+    uint64_t weight = 0;
+    uint64_t cap = 0;  // sum of max_queue_length x weight
+    bool draining = false;
+  };
+
   InstanceLoad& at(InstanceId id);
   const InstanceLoad& at(InstanceId id) const;
-  bool room(const InstanceLoad& load) const;
-  uint32_t least_loaded(const std::vector<uint32_t>& candidates, InstanceId previous, bool capped) const;
+  PoolLoad pool_load() const;
+  // Under its cap of live trajectories (max_queue_length x weight); unless the pool drains, fewer
+  // than fair_share_headroom times its fair share (weight / pool weight) of the trajectories the
+  // pool holds, the one being placed counted; if it reported its KV, less than kv_full_fraction
+  // of it in use.
+  bool room(const InstanceLoad& load, const PoolLoad& pool) const;
+  // capped: only instances with room.
+  uint32_t least_loaded(const std::vector<uint32_t>& candidates, InstanceId previous,
+                        const PoolLoad* capped) const;
   void index_buckets();
 
   uint32_t max_queue_length_;
   double kv_full_fraction_;
+  double fair_share_headroom_;
+  double draining_fraction_;
   std::vector<InstanceLoad> instances_;             // sorted by id
   std::vector<std::vector<uint32_t>> by_bucket_;    // indices into instances_, ascending id
   std::vector<uint32_t> all_;                       // every index, ascending id

@@ -15,16 +15,18 @@
 // so does one whose target bucket is full (a fallback placement elsewhere would pay the move and
 // gain nothing). One that moves is placed by the instance table (least loaded, capped, with
 // fallbacks), as are admissions and trajectories whose instance is gone. An instance is full at
-// its cap of live trajectories or, where its engine reports its KV, once that KV is nearly all in
-// use: on long contexts the small instances' KV fills (and their queues grow) well before their
-// trajectory count reaches the cap. Where the buckets' speeds are known, a move must also pay:
-// the predicted remaining tokens, decoded at the target's step with its load plus this trajectory
-// instead of at the current instance's step, must save more time than re-prefilling (or
-// transferring) the context on the target costs it and the trajectories the prefill holds up
-// there; a promotion that does not pay is not made. While the pool drains (its live trajectories
-// at most `draining_fraction` of the caps: a synchronous step's tail, the end of a run), a
-// trajectory whose prediction keeps it in its bucket also moves to a larger bucket with room
-// whenever that pays.
+// its cap of live trajectories; unless the pool drains, at `fair_share_headroom` times its share
+// (by weight) of what the pool holds -- else admission to the smallest bucket would fill the
+// small instances to their caps and leave the large ones what is left; or, where its engine
+// reports its KV, once that KV is nearly all in use: on long contexts the small instances' KV
+// fills (and their queues grow) well before their trajectory count reaches the cap. Where the
+// buckets' speeds are known, a move must also pay: the predicted remaining tokens, decoded at the
+// target's step with its load plus this trajectory instead of at the current instance's step,
+// must save more time than re-prefilling (or transferring) the context on the target costs it
+// and the trajectories the prefill holds up there; a promotion that does not pay is not made.
+// While the pool drains (its live trajectories at most `draining_fraction` of the caps: a
+// synchronous step's tail, the end of a run), a trajectory whose prediction keeps it in its
+// bucket also moves to a larger bucket with room whenever that pays.
 #include "cmlfq/scheduler.h"
 
 #include <algorithm>
@@ -54,7 +56,7 @@ Scheduler::Scheduler(Config config)
       speeds_(config_.bucket_speeds),
       model_(config_.p90_window, config_.rebuild_window),
       instances_(static_cast<uint32_t>(config_.bucket_thresholds.size()), config_.max_queue_length,
-                 config_.kv_full_fraction) {}
+                 config_.kv_full_fraction, config_.fair_share_headroom, config_.draining_fraction) {}
 
 Scheduler::Trajectory& Scheduler::find(const TrajectoryId& trajectory) {
   const auto it = live_.find(trajectory);
@@ -119,7 +121,7 @@ double Scheduler::move_gain(const Trajectory& trajectory, uint32_t bucket, doubl
 }
 
 std::optional<uint32_t> Scheduler::faster_bucket(const Trajectory& trajectory, double mean_remaining) const {
-  if (speeds_.empty() || !instances_.draining(config_.draining_fraction)) return std::nullopt;
+  if (speeds_.empty() || !instances_.draining()) return std::nullopt;
   std::optional<uint32_t> best;
   double best_gain = 0;
   for (uint32_t b = trajectory.bucket + 1; b < thresholds_.size(); ++b) {

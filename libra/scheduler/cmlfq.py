@@ -54,6 +54,11 @@ class CmlfqRouter:
 
     def __init__(self, config: CmlfqConfig | None = None) -> None:
         self.config = config or CmlfqConfig()
+        if self.config.max_queue_length == 0:
+            raise ValueError(
+                "cmlfq.max_queue_length is 0 (derived): resolve it for the pool first "
+                "(`libra.scheduler.fair_queue_length`, as the job and the simulator do)"
+            )
         self._core = _native.CmlfqScheduler(
             bucket_thresholds=self.config.thresholds,
             max_queue_length=self.config.max_queue_length,
@@ -64,6 +69,7 @@ class CmlfqRouter:
             kv_full_fraction=self.config.kv_full_fraction,
             bucket_speeds=self.config.speeds,
             draining_fraction=self.config.draining_fraction,
+            fair_share_headroom=self.config.fair_share_headroom,
         )
 
     def admit(self, trajectory_id: str, prompt_id: str) -> Decision:

@@ -88,8 +88,11 @@ class CmlfqConfig:
     rebuilds to explicit `CmlfqRouter.rebuild()` calls. A rebuild runs inside the `on_finish`
     that triggers it (about 10 ms for 5,000 trajectories) and holds up concurrent callers."""
     max_queue_length: int = 3
-    """Live trajectories per instance beyond which it takes no more while another bucket has
-    room (placement then falls back; see `Reason`)."""
+    """Live trajectories per unit of instance weight beyond which an instance takes no more while
+    another bucket has room (placement then falls back; see `Reason`). 0: derived where the pool
+    is known, by the job at launch and by the simulator (`fair_queue_length`): with the original's
+    3 and hundreds of trajectories in flight every instance is always full, so C-MLFQ can move
+    nobody (`Reason.TARGET_FULL_STAY`) and admission is least-load's. A router needs it resolved."""
     kv_full_fraction: float = 0.85
     """An instance whose engine reports its KV (`Router.set_instance_kv`) also has no room once
     that share of its KV tokens is in use, whatever its trajectory count: on long contexts a small
@@ -110,6 +113,13 @@ class CmlfqConfig:
     sooner, the move included (`Reason.MIGRATE_FASTER`). Above it, the larger instances' room belongs to
     the trajectories of their band: moving others there whenever it paid cost 4-11 % of trained
     tokens/s in the asynchronous paper-scale runs. In [0, 1]; 0 moves nobody outside its band."""
+    fair_share_headroom: float = 1.2
+    """Unless the pool drains (`draining_fraction`), an instance also has no room once it holds
+    this multiple of its fair share, by weight, of the trajectories the ready instances hold (the
+    one being placed counted): admission to the smallest bucket otherwise fills the small instances
+    to `max_queue_length` while the large ones take what is left, and a static cap cannot know
+    how many trajectories the pool will hold. 0 (off), or >= 1; 1.2 is measured in
+    `docs/scheduling.md`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", tuple(self.buckets))
@@ -143,11 +153,20 @@ class CmlfqConfig:
                 f"cmlfq.medium_payload_max_tokens must exceed small_payload_max_tokens "
                 f"({self.small_payload_max_tokens}), got {self.medium_payload_max_tokens}"
             )
-        for name in ("p90_window", "rebuild_window", "max_queue_length"):
+        for name in ("p90_window", "rebuild_window"):
             if not 1 <= getattr(self, name) <= _MAX_TOKENS:
                 raise ValueError(f"cmlfq.{name} must be in 1..{_MAX_TOKENS}, got {getattr(self, name)}")
+        if not 0 <= self.max_queue_length <= _MAX_TOKENS:
+            raise ValueError(
+                f"cmlfq.max_queue_length must be in 0..{_MAX_TOKENS} (0: derived), "
+                f"got {self.max_queue_length}"
+            )
         if not 0 <= self.draining_fraction <= 1:
             raise ValueError(f"cmlfq.draining_fraction must be in [0, 1], got {self.draining_fraction}")
+        if self.fair_share_headroom != 0 and not 1 <= self.fair_share_headroom < math.inf:
+            raise ValueError(
+                f"cmlfq.fair_share_headroom must be 0 or a finite value >= 1, got {self.fair_share_headroom}"
+            )
         if not 0 < self.kv_full_fraction <= 1:
             raise ValueError(f"cmlfq.kv_full_fraction must be in (0, 1], got {self.kv_full_fraction}")
         if not 0 <= self.rebuild_interval <= _MAX_TOKENS:
@@ -163,3 +182,13 @@ class CmlfqConfig:
     def speeds(self) -> list[tuple[float, float, float, float]]:
         """Each bucket's speed as the core takes it; empty when the buckets have none."""
         return [b.speed.as_tuple() for b in self.buckets if b.speed is not None]
+
+
+def fair_queue_length(in_flight: int, total_weight: int) -> int:
+    """`CmlfqConfig.max_queue_length` derived (the config's 0): the fair share of the trajectories
+    that can be in flight at once, per unit of the pool's instance weight, and at least the
+    original's 3. Not lower: admission to the smallest bucket would then starve the others; not
+    one cap for every instance size: admission would flood the small instances' KV while large
+    ones idle (weights scale it). `CmlfqConfig.fair_share_headroom` bounds each instance by what
+    the pool holds now, below this."""
+    return max(3, math.ceil(in_flight / max(1, total_weight)))

@@ -114,8 +114,9 @@ class Router(Protocol):
     def add_instance(self, instance_id: int, bucket: int, ready: bool = True, weight: int = 1) -> None:
         """A rollout instance of bucket `bucket` joins the pool. `weight` (>= 1): how many
         sequences it holds relative to the pool's smallest instance; placement compares live
-        trajectories per unit of weight and caps an instance at max_queue_length x weight, so
-        a heterogeneous pool is loaded by capacity, not by count."""
+        trajectories per unit of weight and caps an instance at max_queue_length x weight (C-MLFQ
+        also at its share by weight of what the pool holds, `CmlfqConfig.fair_share_headroom`),
+        so a heterogeneous pool is loaded by capacity, not by count."""
         ...
 
     def remove_instance(self, instance_id: int) -> list[str]:

@@ -293,7 +293,8 @@ class SimConfig:
     """Finished trajectories the planner plans from (a preflight sample at the start)."""
     cmlfq_max_queue_length: int = 0
     """Live trajectories per instance before C-MLFQ falls back to another bucket; 0: derived
-    from the initial pool (twice the fair share of the trajectories in flight)."""
+    from the initial pool (the fair share of the trajectories in flight; C-MLFQ's
+    `fair_share_headroom` bounds each instance by what the pool holds now)."""
     planner_rescore_steps: int = 0
     """The planner re-scores its candidate plans -- its optimum and the best pool of each TP
     size -- by simulating each for this many steps on the workload as it is (`libra.sim.rescoring`),

@@ -12,7 +12,6 @@ router's buckets, built with the real planner (search, cost models, plan placeme
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from libra.planner.config import PlanningProblem, RequestRecord, TrainingBatch
@@ -26,7 +25,7 @@ from libra.planner.training_cost import (
     TrainingCostModel,
     batch_split_error,
 )
-from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.config import BucketConfig, CmlfqConfig, fair_queue_length
 from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
 from libra.training.elastic import HybridPoolLimits
 
@@ -218,16 +217,13 @@ def initial_plan(config: SimConfig, history: tuple[RequestRecord, ...], max_stal
 
 
 def derived_queue_length(config: SimConfig, policy: PolicySpec, total_weight: int) -> int:
-    """C-MLFQ's cap per unit of instance weight when the config leaves it 0: the fair share of
-    the trajectories that can be in flight at once, per unit of capacity (with the original's cap
-    of 3 and hundreds of trajectories in flight every bucket saturates and routing degenerates to
-    least-load; with no cap, admission to the smallest bucket starves the others; with one cap
-    for every instance size, admission floods the small instances' KV while large ones idle)."""
+    """C-MLFQ's cap per unit of instance weight: the config's, or when it leaves it 0 the fair
+    share of the trajectories the policy keeps in flight (`fair_queue_length`)."""
     if config.cmlfq_max_queue_length:
         return config.cmlfq_max_queue_length
     staleness = config.batch.max_staleness if policy.max_staleness is None else policy.max_staleness
     in_flight = config.batch.global_batch * (1 if policy.mode is Mode.COLOCATED_SYNC else staleness + 1)
-    return max(3, math.ceil(in_flight / max(1, total_weight)))
+    return fair_queue_length(in_flight, total_weight)
 
 
 def _strictly_increasing(values: list[int]) -> tuple[int, ...]:

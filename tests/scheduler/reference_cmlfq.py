@@ -234,12 +234,22 @@ class ReferenceCmlfq:
         return cap > 0 and float(active) <= self.config.draining_fraction * float(cap)
 
     def room(self, instance: Instance) -> bool:
-        """Under its trajectory cap and, if it reported its KV, under kv_full_fraction of it."""
-        kv_full = (
+        """Under its trajectory cap; unless the pool drains, active / weight below
+        fair_share_headroom times (pool active + 1) / pool weight; if it reported its KV, under
+        kv_full_fraction of it."""
+        if instance.active >= self.config.max_queue_length * instance.weight:
+            return False
+        if (
             0 < instance.kv_capacity
             and instance.kv_used >= self.config.kv_full_fraction * instance.kv_capacity
-        )
-        return instance.active < self.config.max_queue_length * instance.weight and not kv_full
+        ):
+            return False
+        headroom = self.config.fair_share_headroom
+        if headroom == 0 or self.draining():
+            return True
+        ready = [i for i in self.instances.values() if i.ready]
+        held, weight = sum(i.active for i in ready), sum(i.weight for i in ready)
+        return float(instance.active * weight) < headroom * float(held + 1) * float(instance.weight)
 
     def has_room(self, bucket: int) -> bool:
         return any(i.ready and i.bucket == bucket and self.room(i) for i in self.instances.values())

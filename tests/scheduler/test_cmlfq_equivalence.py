@@ -67,6 +67,7 @@ def configs(draw: st.DrawFn) -> CmlfqConfig:
         max_queue_length=draw(st.integers(1, 4)),
         demote=draw(st.booleans()),
         kv_full_fraction=draw(st.sampled_from([1.0, 0.9, 0.5]) | st.floats(0.01, 1.0)),
+        fair_share_headroom=draw(st.sampled_from([0.0, 1.0, 1.4]) | st.floats(1.0, 4.0)),
     )
 
 

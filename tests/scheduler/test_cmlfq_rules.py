@@ -399,7 +399,8 @@ def test_unknown_ids_and_duplicates() -> None:
         ({"p90_window": 0}, "cmlfq.p90_window"),
         ({"rebuild_window": 0}, "cmlfq.rebuild_window"),
         ({"rebuild_interval": -1}, "cmlfq.rebuild_interval"),
-        ({"max_queue_length": 0}, "cmlfq.max_queue_length"),
+        ({"max_queue_length": -1}, "cmlfq.max_queue_length"),
+        ({"max_queue_length": 2**31}, "cmlfq.max_queue_length"),
         ({"kv_full_fraction": 0.0}, "cmlfq.kv_full_fraction"),
         ({"kv_full_fraction": 1.01}, "cmlfq.kv_full_fraction"),
         ({"kv_full_fraction": float("nan")}, "cmlfq.kv_full_fraction"),
@@ -451,3 +452,30 @@ def test_a_completion_without_tool_calls_does_not_shadow_the_global_tree() -> No
     learn(router, "p", [SEARCH], [80, 50])  # once it has called a tool, its own tree counts
     own = router.predict("p", [SEARCH])
     assert own is not None and own.from_prompt_tree and (own.depth, own.mean_remaining_tokens) == (1, 50)
+
+
+def test_an_instance_past_its_fair_share_of_the_pool_takes_no_more() -> None:
+    """fair_share_headroom h: an instance has room while active / weight < h x (pool active + 1)
+    / pool weight. A small instance then stops taking admissions at its share, and the large one
+    takes the rest, instead of the small one filling to max_queue_length first."""
+
+    def admissions(**overrides: object) -> list[tuple[int, Reason]]:
+        router = make_router((0, 2), **{"draining_fraction": 0.0, **overrides})
+        router.remove_instance(1)
+        router.add_instance(1, 2, weight=3)
+        return [(d.instance_id, d.reason) for d in (router.admit(f"t{i}", "p") for i in range(6))]
+
+    # Pool weight 4. The first admission finds the pool empty, i.e. draining (0 <= 0 x caps):
+    # caps only. Then the small instance (weight 1) holds 1 while 1 x 4 < (held + 1) is false
+    # until 4 are held, and the large one (weight 3) takes the others.
+    small, large = (0, Reason.ADMITTED), (1, Reason.BUCKET_SATURATED_FALLBACK)
+    assert admissions(fair_share_headroom=1.0) == [small, large, large, large, small, large]
+    assert admissions(fair_share_headroom=0.0) == [small] * 6  # off: the small instance's cap of 100 rules
+    # While the pool drains (here always: at most all of its caps are in use) only the caps apply.
+    assert admissions(fair_share_headroom=1.0, draining_fraction=1.0) == [small] * 6
+
+
+@pytest.mark.parametrize("value", [0.5, -1.0, float("inf"), float("nan")])
+def test_bad_fair_share_headroom_is_refused(value: float) -> None:
+    with pytest.raises(ValueError, match="fair_share_headroom"):
+        CmlfqConfig(fair_share_headroom=value)

@@ -20,14 +20,15 @@ LARGE = BucketSpeed(step_s=0.012, per_sequence_s=0.001, move_linear_s=1e-5)
 
 def priced_router(**overrides: object) -> CmlfqRouter:
     """Buckets small/medium/large at 100/1,000/10,000 remaining tokens with the speeds above, one
-    instance each (ids 0, 1, 2)."""
+    instance each (ids 0, 1, 2). No fair-share bound, so that where trajectories go is the
+    pricing's doing (and the caps')."""
     config = CmlfqConfig(
         buckets=(
             BucketConfig("s", 1, 100, SMALL),
             BucketConfig("m", 2, 1000, MEDIUM),
             BucketConfig("l", 4, 10000, LARGE),
         ),
-        **{"rebuild_interval": 0, "max_queue_length": 100, **overrides},
+        **{"rebuild_interval": 0, "max_queue_length": 100, "fair_share_headroom": 0.0, **overrides},
     )
     router = CmlfqRouter(config)
     for instance_id in range(3):
