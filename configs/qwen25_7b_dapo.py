@@ -69,7 +69,9 @@ def config() -> LibraConfig:
             ),
             small_payload_max_tokens=500,
             medium_payload_max_tokens=5000,
-            max_queue_length=8,
+            # Derived at launch: the fair share of the trajectories in flight per unit of the
+            # pool's weight (the original's 3 leaves every instance full and C-MLFQ inert).
+            max_queue_length=0,
         ),
         control=ControlConfig(port=0),
         backend=BackendConfig(name="cuda"),

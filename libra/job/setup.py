@@ -23,7 +23,7 @@ from libra.job.recorder import ClusterSample, InstanceSample, JobEvent, RunRecor
 from libra.job.task_source import load_task_source
 from libra.job.train_ranks import TrainRankGroup
 from libra.rollout import AgentLoop, InstancePool
-from libra.scheduler import BucketConfig, make_router
+from libra.scheduler import BucketConfig, CmlfqConfig, fair_queue_length, make_router
 from libra.training.hybrid import HYBRID_POOL_LIMITS
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,17 @@ class JobWorkers:
             self.config, self.fleet, self.source.model_dir, self.hosts_hybrid_lane
         )
         price = self._bucket_pricing()
-        scheduler = self.config.scheduler
+        weight_of_tp = self._router_weights()
+        scheduler = launch_scheduler(self.config, weight_of_tp)
         if price is not None:
             scheduler = dataclasses.replace(scheduler, buckets=price(scheduler.buckets))
         pool = InstancePool(
-            make_router(self.job.router, scheduler), self.cluster.token, scheduler, self.config.control, price
+            make_router(self.job.router, scheduler),
+            self.cluster.token,
+            scheduler,
+            self.config.control,
+            price,
+            weight_of_tp,
         )
         self.instances = RolloutInstances(
             self.config, self.cluster, self.fleet, self.publication, recorder, self.source.model_dir, pool
@@ -169,6 +175,19 @@ class JobWorkers:
             return None
         return planner.priced_buckets
 
+    def _router_weights(self) -> Callable[[int], int]:
+        """Each rollout instance's router weight by TP size, from the planner's rollout model (as
+        the simulator weighs them): its KV capacity in units of the smallest instance's, so that
+        a mixed pool is loaded by capacity (C-MLFQ's caps and fair shares, least-load's loads)."""
+        from libra.job.problem import planning_problem
+        from libra.planner.cost_model import EfficiencyFactors
+        from libra.planner.rollout_cost import RolloutCostModel
+
+        problem = self.planning_problem or planning_problem(self.config, self.source.model_dir)
+        return RolloutCostModel(
+            problem.cluster, problem.model, problem.config, EfficiencyFactors()
+        ).router_weight
+
     def _plan_launch_layout(self) -> None:
         """`job.rollout_tp_sizes` empty: the planner's choice of rollout instances becomes the
         job's config (the parts built after this read it, and the loop takes it when the workers
@@ -259,3 +278,23 @@ class JobWorkers:
         if self.train_ranks is not None:
             self.train_ranks.stop()
         await asyncio.to_thread(self.cluster.stop)
+
+
+def launch_scheduler(config: LibraConfig, weight_of_tp: Callable[[int], int]) -> CmlfqConfig:
+    """`config.scheduler`, its `max_queue_length` derived when the config leaves it 0: the fair
+    share, per unit of the launch pool's weight (`job.rollout_tp_sizes`, planned or given), of the
+    trajectories in flight (the train batch, once per version launched ahead). Said in the log."""
+    scheduler = config.scheduler
+    if scheduler.max_queue_length:
+        return scheduler
+    in_flight = config.job.batch_size * (config.training.max_staleness + 1)
+    total_weight = sum(weight_of_tp(tp) for tp in config.job.rollout_tp_sizes)
+    cap = fair_queue_length(in_flight, total_weight)
+    logger.info(
+        "scheduler.max_queue_length derived: %d per unit of weight "
+        "(%d trajectories in flight, pool weight %d)",
+        cap,
+        in_flight,
+        total_weight,
+    )
+    return dataclasses.replace(scheduler, max_queue_length=cap)

@@ -132,6 +132,14 @@ class RolloutCostModel:
             return 0
         return int(pool / self.kv_bytes_per_token(tp) * (1.0 - self.config.kv_fragmentation))
 
+    def router_weight(self, tp: int) -> int:
+        """A TP-tp instance's weight for the router (`Router.add_instance`): its KV capacity in
+        units of the smallest instance size that holds the model (a TP-8 instance holds several
+        times what a TP-1 one does, and should get that share of the trajectories)."""
+        sizes = [k for k in (1, 2, 4, 8, 16) if self.token_capacity(k) > 0]
+        unit = self.token_capacity(sizes[0]) if sizes else 0
+        return max(1, round(self.token_capacity(tp) / unit)) if unit > 0 else 1
+
     def decode_step(self, tp: int, batch: float, mean_context: float) -> TimeBreakdown:
         """Ideal components of one decode step of `batch` sequences of `mean_context` tokens. The
         matmuls read the weight shard while they multiply (an overlapped pair); attention reads the

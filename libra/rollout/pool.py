@@ -54,6 +54,8 @@ class PooledInstance:
     max_model_len: int
     worker_id: str = ""
     """The control plane's worker id of the instance process ("" when not started as a worker)."""
+    weight: int = 1
+    """Its router weight (`Router.add_instance`)."""
     lost: bool = False
     """Out of service: the router no longer knows it and its client refuses calls (it died, or a
     plan cut it: see `withdrawn`)."""
@@ -71,12 +73,16 @@ class InstancePool:
         cmlfq: CmlfqConfig,
         control: ControlConfig | None = None,
         price_buckets: Callable[[Sequence[BucketConfig]], tuple[BucketConfig, ...]] | None = None,
+        weight_of_tp: Callable[[int], int] | None = None,
     ):
         self.router = router
         self._token = token
         self._cmlfq = cmlfq
         self._price_buckets = price_buckets
         """Gives new buckets their speeds (the planner's model), or None: they keep what they have."""
+        self._weight_of_tp = weight_of_tp
+        """An instance's router weight by its TP size (its KV capacity relative to the smallest
+        instance's: the planner's model), or None: every instance weighs 1."""
         self._control = control
         self._instances: dict[int, PooledInstance] = {}
         self._removed: dict[int, PooledInstance] = {}
@@ -113,10 +119,13 @@ class InstancePool:
         client = InstanceClient(address, self._token, self._control)
         stats = await client.stats()
         tp = stats.tensor_parallel_size if tp_size is None else tp_size
-        pooled = PooledInstance(instance_id, client, self.bucket_of_tp(tp), stats.max_model_len, worker_id)
+        weight = self._weight_of_tp(tp) if self._weight_of_tp is not None else 1
+        pooled = PooledInstance(
+            instance_id, client, self.bucket_of_tp(tp), stats.max_model_len, worker_id, weight=weight
+        )
         self._instances[instance_id] = pooled
         self._removed.pop(instance_id, None)
-        self.router.add_instance(instance_id, pooled.bucket)
+        self.router.add_instance(instance_id, pooled.bucket, weight=weight)
         self._announce_change()
         logger.info("rollout instance %d at %s joined bucket %d", instance_id, address, pooled.bucket)
         if worker_id in self._ended_workers:
@@ -216,7 +225,7 @@ class InstancePool:
             pooled.client = InstanceClient(old.address, self._token, self._control)
             await old.close()
             pooled.lost, pooled.lost_reason = False, ""
-            self.router.add_instance(instance_id, pooled.bucket)
+            self.router.add_instance(instance_id, pooled.bucket, weight=pooled.weight)
         else:
             self.router.set_instance_ready(instance_id, True)
         pooled.withdrawn = False

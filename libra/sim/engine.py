@@ -64,15 +64,6 @@ class LiveTrajectory:
         return min(self.versions) if self.versions else None
 
 
-def instance_weight(cost: RolloutCostModel, tp: int) -> int:
-    """A TP-tp instance's router weight: its KV capacity in units of the smallest instance size
-    that holds the model (a TP-8 instance holds several times what a TP-1 one does, and should
-    get that share of the trajectories)."""
-    sizes = [k for k in (1, 2, 4, 8, 16) if cost.token_capacity(k) > 0]
-    unit = cost.token_capacity(sizes[0]) if sizes else 0
-    return max(1, round(cost.token_capacity(tp) / unit)) if unit > 0 else 1
-
-
 class RolloutCluster:
     def __init__(
         self,
@@ -140,9 +131,6 @@ class RolloutCluster:
             self._coefficients[tp] = StepCoefficients.of(self.cost, tp)
         return self._coefficients[tp]
 
-    def weight(self, tp: int) -> int:
-        return instance_weight(self.cost, tp)
-
     def add_instance(
         self, name: str, tp: int, bucket: int, devices: tuple[int, ...], ready_at: float
     ) -> Instance:
@@ -161,7 +149,7 @@ class RolloutCluster:
         self._next_instance += 1
         self.instances[inst.instance_id] = inst
         ready = ready_at <= self.now
-        self.router.add_instance(inst.instance_id, bucket, ready=ready, weight=self.weight(tp))
+        self.router.add_instance(inst.instance_id, bucket, ready=ready, weight=self.cost.router_weight(tp))
         if ready:
             self.reroute_unplaced()  # those an earlier removal left waiting
         else:

@@ -35,7 +35,7 @@ from libra.planner.triggers import StepObservation
 from libra.scheduler.config import BucketConfig
 from libra.scheduler.factory import make_router
 from libra.sim.config import Mode, PolicySpec, SimConfig
-from libra.sim.engine import LiveTrajectory, RolloutCluster, instance_weight
+from libra.sim.engine import LiveTrajectory, RolloutCluster
 from libra.sim.metrics import DeviceLedger, SimResult, StepRecord, tail_share
 from libra.sim.pools import (
     Layout,
@@ -118,7 +118,7 @@ class PolicyRun:
             config.planner,
             config.train_factors,
         )
-        total_weight = sum(instance_weight(rollout_cost, i.tp) for i in layout.instances)
+        total_weight = sum(rollout_cost.router_weight(i.tp) for i in layout.instances)
         cmlfq_config = layout.cmlfq_config(config.cmlfq, derived_queue_length(config, policy, total_weight))
         self.rollout_cost = rollout_cost
         cmlfq_config = replace(cmlfq_config, buckets=self._priced(cmlfq_config.buckets))

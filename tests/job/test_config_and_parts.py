@@ -12,6 +12,8 @@ from libra.job.config import JobConfig
 from libra.job.recorder import JobEvent
 from libra.job.report import write_report
 from libra.job.rollouts import TaskStream, _last_model_turn
+from libra.job.setup import launch_scheduler
+from libra.scheduler import CmlfqRouter, fair_queue_length
 from libra.trajectory import Trajectory
 
 CONFIG = "configs/tiny_cpu.py"
@@ -90,6 +92,36 @@ def test_each_rollout_tp_size_needs_a_scheduler_bucket():
         in str(error.value)
     )
     assert load_config(CONFIG, ["scheduler.max_queue_length=4"]).scheduler.max_queue_length == 4
+
+
+def test_a_cap_left_0_is_derived_at_launch_from_the_trajectories_in_flight_and_the_pools_weight():
+    """8 prompts x 4 trajectories, launched up to 2 versions ahead: 96 in flight over TP-1, TP-1
+    and TP-2 instances weighing 1, 1 and 3 -> ceil(96 / 5) = 20 per unit of weight. A cap the
+    config sets is kept; the router refuses one left unresolved."""
+    weights = {1: 1, 2: 3}.__getitem__
+    config = load_config(
+        CONFIG,
+        [
+            "job.prompts_per_step=8",
+            "job.group_size=4",
+            "training.max_staleness=2",
+            "job.rollout_tp_sizes=1,1,2",
+            "scheduler.max_queue_length=0",
+        ],
+    )
+    assert launch_scheduler(config, weights).max_queue_length == 20
+    assert launch_scheduler(config, weights).buckets == config.scheduler.buckets
+    kept = load_config(CONFIG, ["job.rollout_tp_sizes=1,1,2"])
+    assert launch_scheduler(kept, weights).max_queue_length == kept.scheduler.max_queue_length == 16
+    assert LibraConfig().scheduler.max_queue_length == 0  # a job derives it unless told
+    # Never below the original's 3, however large the pool.
+    assert (
+        fair_queue_length(10, 100) == 3 and fair_queue_length(96, 5) == 20 and fair_queue_length(96, 0) == 96
+    )
+    with pytest.raises(ValueError, match="max_queue_length is 0"):
+        CmlfqRouter(config.scheduler)
+    with pytest.raises(ValueError, match="max_queue_length must be in 0.."):
+        load_config(CONFIG, ["scheduler.max_queue_length=-1"])
 
 
 def test_task_stream_is_a_seeded_permutation_per_epoch_and_resumable():

@@ -53,6 +53,21 @@ def test_kv_capacity_by_hand():
     )  # weights do not fit
 
 
+def test_router_weights_are_kv_capacity_in_units_of_the_smallest_instance_that_fits():
+    """Per device, 79.3 GiB x 0.9 - 2 GiB of workspace leaves 74.5 GB; the 29.5 GB of weights
+    take 29.5 / tp of it. KV per token per device falls as 1 / tp, so TP-tp holds
+    tp x (74.5 - 29.5 / tp) / 44.9 times TP-1's: 1, 2.66, 5.97, 12.6."""
+    cost = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(), UNIT)
+    assert [cost.router_weight(tp) for tp in (1, 2, 4, 8)] == [1, 3, 6, 13]
+    # Where TP-1 cannot hold the weights, TP-2 is the unit.
+    small = RolloutCostModel(CLUSTER, QWEN3_14B, PlannerConfig(rollout_memory_utilization=0.35), UNIT)
+    assert small.token_capacity(1) == 0
+    assert [small.router_weight(tp) for tp in (2, 4)] == [
+        1,
+        round(small.token_capacity(4) / small.token_capacity(2)),
+    ]
+
+
 def test_kv_capacity_as_the_engines_are_sized():
     """An engine sized by a memory share of its own, or by KV bytes (vLLM on the CPU), holds what
     it is sized to; training's share stays `memory_utilization`."""

@@ -21,6 +21,7 @@ class PlannedRouter:
         self.plan = list(plan)
         self.turns: dict[str, int] = {}
         self.instances: set[int] = set()
+        self.weights: dict[int, int] = {}
         self.finished: dict[str, int] = {}
 
     def _decide(self, trajectory_id: str, reason: Reason) -> Decision:
@@ -49,11 +50,13 @@ class PlannedRouter:
     def reroute(self, trajectory_id):
         return self._decide(trajectory_id, Reason.REROUTED)
 
-    def add_instance(self, instance_id, bucket, ready=True):
+    def add_instance(self, instance_id, bucket, ready=True, weight=1):
         self.instances.add(instance_id)
+        self.weights[instance_id] = weight
 
     def remove_instance(self, instance_id):
         self.instances.discard(instance_id)
+        self.weights.pop(instance_id, None)
         return sorted(self.turns)
 
     def on_instance_lost(self, instance_id):
