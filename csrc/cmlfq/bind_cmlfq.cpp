@@ -60,7 +60,7 @@ void bind_cmlfq(py::module_& m) {
            py::arg("bucket_thresholds"), py::arg("max_queue_length"), py::arg("p90_window"),
            py::arg("rebuild_window"), py::arg("rebuild_interval"), py::arg("demote") = false,
            py::arg("kv_full_fraction") = 0.85, py::arg("bucket_speeds") = std::vector<SpeedTuple>{},
-           py::arg("draining_fraction") = 0.25, py::arg("fair_share_headroom") = 0.0,
+           py::arg("draining_fraction") = 0.25, py::arg("fair_share_headroom") = 1.2,
            "bucket_speeds: empty, or (step_s, per_sequence_s, move_linear_s, move_quadratic_s) per bucket.")
       .def("admit", [](Scheduler& s, const std::string& t, const std::string& prompt) { return as_tuple(s.admit(t, prompt)); },
            release_gil())

@@ -76,9 +76,8 @@ struct Config {
   std::vector<BucketSpeed> bucket_speeds;
   // The pool drains while its ready instances' live trajectories are at most this share of their caps.
   double draining_fraction = 0.25;
-  // 0, or >= 1: unless the pool drains, an instance also has no room once it holds this multiple
-  // of its fair share (by weight) of the trajectories the ready instances hold.
-  double fair_share_headroom = 0;
+  // 0 (off), or >= 1: the fair-share bound of `InstanceTable::room`.
+  double fair_share_headroom = 1.2;
 };
 
 // An id the core does not know (a finished trajectory, a removed instance). Python sees KeyError.

@@ -79,11 +79,11 @@ void InstanceTable::set_kv(InstanceId id, int64_t used, int64_t capacity) {
 
 bool InstanceTable::is_ready(InstanceId id) const { return id != kNoInstance && at(id).ready; }
 
-InstanceTable::PoolLoad InstanceTable::pool_load() const {
+InstanceTable::PoolLoad InstanceTable::pool_load(InstanceId holder) const {
   PoolLoad pool;
   for (const InstanceLoad& load : instances_) {
     if (!load.ready) continue;
-    pool.active += load.active;
+    pool.active += load.id == holder && load.active > 0 ? load.active - 1 : load.active;
     pool.weight += load.weight;
     pool.cap += uint64_t{max_queue_length_} * load.weight;
   }
@@ -105,11 +105,11 @@ bool InstanceTable::room(const InstanceLoad& load, const PoolLoad& pool) const {
          fair_share_headroom_ * static_cast<double>(pool.active + 1) * static_cast<double>(load.weight);
 }
 
-bool InstanceTable::draining() const { return pool_load().draining; }
+bool InstanceTable::draining() const { return pool_load(kNoInstance).draining; }
 
-bool InstanceTable::has_room(uint32_t bucket) const {
+bool InstanceTable::has_room(uint32_t bucket, InstanceId holder) const {
   if (bucket >= by_bucket_.size()) return false;
-  const PoolLoad pool = pool_load();
+  const PoolLoad pool = pool_load(holder);
   return least_loaded(by_bucket_[bucket], kNoInstance, &pool) != kNone;
 }
 
@@ -151,8 +151,8 @@ uint32_t InstanceTable::least_loaded(const std::vector<uint32_t>& candidates, In
   return best;
 }
 
-Placement InstanceTable::place(uint32_t bucket, InstanceId previous) const {
-  const PoolLoad pool = pool_load();
+Placement InstanceTable::place(uint32_t bucket, InstanceId previous, bool previous_holds_it) const {
+  const PoolLoad pool = pool_load(previous_holds_it ? previous : kNoInstance);
   if (const uint32_t i = least_loaded(by_bucket_[bucket], previous, &pool); i != kNone) {
     return {bucket, instances_[i].id, std::nullopt};
   }

@@ -44,8 +44,10 @@ class InstanceTable {
   // kv_used >= kv_full_fraction * kv_capacity it has no room, whatever its trajectory count.
   void set_kv(InstanceId id, int64_t used, int64_t capacity);
   bool is_ready(InstanceId id) const;  // false for kNoInstance
-  // A ready instance of the bucket has room (see `room`).
-  bool has_room(uint32_t bucket) const;
+  // A ready instance of the bucket has room (see `room`) for a trajectory that `holder` (a move
+  // decided before the trajectory leaves it) still counts: the pool's load is taken without it,
+  // as `place` takes it once the trajectory is released.
+  bool has_room(uint32_t bucket, InstanceId holder = kNoInstance) const;
   uint32_t bucket_of(InstanceId id) const { return at(id).bucket; }
   uint32_t active_of(InstanceId id) const { return at(id).active; }
   // The ready instances' live trajectories are at most draining_fraction of their caps
@@ -59,8 +61,9 @@ class InstanceTable {
   // of that bucket with room (see has_room); else the same in the nearest other bucket
   // (at equal distance the larger one: a long trajectory on too small a bucket costs more than
   // the reverse); else the least-loaded ready instance anywhere, full or not. Ties go to
-  // `previous` (its prefix cache is warm), then to the lowest id.
-  Placement place(uint32_t bucket, InstanceId previous) const;
+  // `previous` (its prefix cache is warm), then to the lowest id. previous_holds_it: the
+  // trajectory is still counted on `previous` (see `has_room`).
+  Placement place(uint32_t bucket, InstanceId previous, bool previous_holds_it = false) const;
 
   void acquire(InstanceId id) { at(id).active += 1; }
   void release(InstanceId id) { at(id).active -= 1; }
@@ -80,7 +83,7 @@ class InstanceTable {
 
   InstanceLoad& at(InstanceId id);
   const InstanceLoad& at(InstanceId id) const;
-  PoolLoad pool_load() const;
+  PoolLoad pool_load(InstanceId holder) const;
   // Under its cap of live trajectories (max_queue_length x weight); unless the pool drains, fewer
   // than fair_share_headroom times its fair share (weight / pool weight) of the trajectories the
   // pool holds, the one being placed counted; if it reported its KV, less than kv_full_fraction

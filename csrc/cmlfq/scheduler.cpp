@@ -99,7 +99,7 @@ Decision Scheduler::on_tool_return(const TrajectoryId& id, StateKey state, int64
 Decision Scheduler::decide_move(Trajectory& trajectory, const BucketChoice& choice) {
   // A move pays only on the bucket it is for: falling back elsewhere would re-prefill (or
   // transfer) the context for nothing, so a trajectory whose target is full stays.
-  if (!instances_.has_room(choice.bucket)) {
+  if (!instances_.has_room(choice.bucket, trajectory.instance)) {
     return {trajectory.bucket, trajectory.instance, Reason::kTargetFullStay, false};
   }
   // Promotions are priced; a demotion (`demote`) is about priority, not speed, and is not.
@@ -111,7 +111,7 @@ Decision Scheduler::decide_move(Trajectory& trajectory, const BucketChoice& choi
 }
 
 double Scheduler::move_gain(const Trajectory& trajectory, uint32_t bucket, double mean_remaining) const {
-  const InstanceId target = instances_.place(bucket, trajectory.instance).instance;
+  const InstanceId target = instances_.place(bucket, trajectory.instance, /*previous_holds_it=*/true).instance;
   // The current instance's load counts this trajectory; the target's gains it.
   const double step_here = speeds_[trajectory.bucket].step_with(instances_.active_of(trajectory.instance));
   const double saving = mean_remaining * (step_here - speeds_[bucket].step_with(instances_.active_of(target) + 1));
@@ -125,7 +125,7 @@ std::optional<uint32_t> Scheduler::faster_bucket(const Trajectory& trajectory, d
   std::optional<uint32_t> best;
   double best_gain = 0;
   for (uint32_t b = trajectory.bucket + 1; b < thresholds_.size(); ++b) {
-    if (!instances_.has_room(b)) continue;
+    if (!instances_.has_room(b, trajectory.instance)) continue;
     if (const double gain = move_gain(trajectory, b, mean_remaining); gain > best_gain) {
       best = b;
       best_gain = gain;

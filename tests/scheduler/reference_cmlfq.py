@@ -194,7 +194,7 @@ class ReferenceCmlfq:
 
     def stay_or_move(self, trajectory_id: str, target: int, reason: Reason, mean: float) -> Decision:
         live = self.live[trajectory_id]
-        if not self.has_room(target):
+        if not self.has_room(target, holder=live.instance):
             return Decision(trajectory_id, live.bucket, live.instance, Reason.TARGET_FULL_STAY, False)
         if self.speeds and target > live.bucket and self.gain(live, target, mean) <= 0:
             return Decision(trajectory_id, live.bucket, live.instance, Reason.MOVE_NOT_WORTH_IT, False)
@@ -207,7 +207,7 @@ class ReferenceCmlfq:
     def gain(self, live: Live, target: int, mean: float) -> float:
         """Seconds a move to `target` saves on the predicted remaining tokens, less its cost to it
         and to the target's trajectories."""
-        _, destination, _ = self.place(target, live.instance)
+        _, destination, _ = self.place(target, live.instance, previous_holds_it=True)
         saving = mean * (
             self.step_with(live.bucket, self.instances[live.instance].active)
             - self.step_with(target, self.instances[destination].active + 1)
@@ -223,17 +223,23 @@ class ReferenceCmlfq:
             return None
         best, best_gain = None, 0.0
         for bucket in range(live.bucket + 1, len(self.thresholds)):
-            if self.has_room(bucket) and (gain := self.gain(live, bucket, mean)) > best_gain:
+            if self.has_room(bucket, live.instance) and (gain := self.gain(live, bucket, mean)) > best_gain:
                 best, best_gain = bucket, gain
         return best
 
-    def draining(self) -> bool:
-        ready = [i for i in self.instances.values() if i.ready]
-        active = sum(i.active for i in ready)
-        cap = sum(self.config.max_queue_length * i.weight for i in ready)
-        return cap > 0 and float(active) <= self.config.draining_fraction * float(cap)
+    def pool(self, holder: int | None) -> tuple[int, int, bool]:
+        """The ready instances' live trajectories (one fewer on `holder`: a trajectory whose move
+        is decided before it leaves), their weight, and whether the pool drains."""
+        ready = [(i, instance) for i, instance in self.instances.items() if instance.ready]
+        active = sum(instance.active - (i == holder and instance.active > 0) for i, instance in ready)
+        cap = sum(self.config.max_queue_length * instance.weight for _, instance in ready)
+        draining = cap > 0 and float(active) <= self.config.draining_fraction * float(cap)
+        return active, sum(instance.weight for _, instance in ready), draining
 
-    def room(self, instance: Instance) -> bool:
+    def draining(self) -> bool:
+        return self.pool(None)[2]
+
+    def room(self, instance: Instance, holder: int | None = None) -> bool:
         """Under its trajectory cap; unless the pool drains, active / weight below
         fair_share_headroom times (pool active + 1) / pool weight; if it reported its KV, under
         kv_full_fraction of it."""
@@ -244,15 +250,14 @@ class ReferenceCmlfq:
             and instance.kv_used >= self.config.kv_full_fraction * instance.kv_capacity
         ):
             return False
+        held, weight, draining = self.pool(holder)
         headroom = self.config.fair_share_headroom
-        if headroom == 0 or self.draining():
+        if headroom == 0 or draining:
             return True
-        ready = [i for i in self.instances.values() if i.ready]
-        held, weight = sum(i.active for i in ready), sum(i.weight for i in ready)
         return float(instance.active * weight) < headroom * float(held + 1) * float(instance.weight)
 
-    def has_room(self, bucket: int) -> bool:
-        return any(i.ready and i.bucket == bucket and self.room(i) for i in self.instances.values())
+    def has_room(self, bucket: int, holder: int | None = None) -> bool:
+        return any(i.ready and i.bucket == bucket and self.room(i, holder) for i in self.instances.values())
 
     def on_finish(self, trajectory_id: str, total_output_tokens: int) -> None:
         live = self.live[trajectory_id]
@@ -343,12 +348,18 @@ class ReferenceCmlfq:
         migrated = previous is not None and live.instance is not None and live.instance != previous
         return Decision(trajectory_id, live.bucket, live.instance, fallback or reason, migrated)
 
-    def place(self, bucket: int, previous: int | None) -> tuple[int, int | None, Reason | None]:
+    def place(
+        self, bucket: int, previous: int | None, previous_holds_it: bool = False
+    ) -> tuple[int, int | None, Reason | None]:
+        holder = previous if previous_holds_it else None
+
         def least_loaded(buckets: set[int], capped: bool) -> int | None:
             candidates = [
                 (Fraction(instance.active, instance.weight), instance_id != previous, instance_id)
                 for instance_id, instance in self.instances.items()
-                if instance.ready and instance.bucket in buckets and (not capped or self.room(instance))
+                if instance.ready
+                and instance.bucket in buckets
+                and (not capped or self.room(instance, holder))
             ]
             return min(candidates)[2] if candidates else None
 

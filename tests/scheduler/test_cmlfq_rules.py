@@ -475,6 +475,34 @@ def test_an_instance_past_its_fair_share_of_the_pool_takes_no_more() -> None:
     assert admissions(fair_share_headroom=1.0, draining_fraction=1.0) == [small] * 6
 
 
+def test_a_move_is_judged_against_the_pool_it_leaves_not_counted_twice() -> None:
+    """Whether the target has room is decided while the trajectory still counts on its instance;
+    it must be judged as its placement will be, once it left, or a target judged to have room
+    turns it away and the move falls back to a third bucket (a re-prefill for nothing)."""
+    router = make_router((0, 1, 2), draining_fraction=0.0, fair_share_headroom=1.2)
+    for _ in range(3):
+        learn(router, "p", [FAIL], [5010, 5000])  # after FAIL: 5,000 left, the large bucket
+    for instance_id, count in enumerate((2, 1, 2)):  # admit onto one instance at a time
+        for other in range(3):
+            router.set_instance_ready(other, other == instance_id)
+        for j in range(count):
+            router.admit(f"on{instance_id}-{j}", "p")
+    for instance_id in range(3):
+        router.set_instance_ready(instance_id, True)
+    # Without "on0-0" the pool holds 4 of weight 3: the large instance (2 held) has room while
+    # 2 x 3 < 1.2 x (4 + 1), which it has not.
+    stay = router.on_tool_return("on0-0", FAIL, 10)
+    assert (stay.bucket, stay.instance_id, stay.reason, stay.migrated) == (
+        0,
+        0,
+        Reason.TARGET_FULL_STAY,
+        False,
+    )
+    router.on_finish("on2-0", 100)  # now 1 x 3 < 1.2 x (3 + 1): room
+    moved = router.on_tool_return("on0-0", FAIL, 20)
+    assert (moved.bucket, moved.instance_id, moved.reason, moved.migrated) == (2, 2, Reason.MIGRATE_UP, True)
+
+
 @pytest.mark.parametrize("value", [0.5, -1.0, float("inf"), float("nan")])
 def test_bad_fair_share_headroom_is_refused(value: float) -> None:
     with pytest.raises(ValueError, match="fair_share_headroom"):
