@@ -62,7 +62,7 @@ def config() -> LibraConfig:
             small_payload_max_tokens=500,
             medium_payload_max_tokens=5000,
             # Derived at launch: the fair share of the trajectories in flight per unit of the
-            # pool's weight (the original's 3 leaves every instance full and C-MLFQ inert).
+            # pool's weight (the original's 3 leaves every instance full until a step's tail).
             max_queue_length=0,
         ),
         control=ControlConfig(port=0),

@@ -54,9 +54,17 @@ class JobWorkers:
         self.sandbox = await SandboxPool(self.config.tools.sandbox).start()
         self.source = await load_task_source(self.config, self.sandbox)
 
+        from libra.job.problem import planning_problem
+
         self.planning_problem = self._planning_problem()
+        # With the planner off, the same problem still lays the launch out and weighs the router.
+        launch_problem = self.planning_problem or planning_problem(self.config, self.source.model_dir)
         if not self.job.rollout_tp_sizes:
-            self._plan_launch_layout()
+            self._plan_launch_layout(launch_problem)
+        # The router's trajectory cap for the launch pool (where the config leaves it 0), before
+        # the rescorer: it simulates the candidate plans with the cap the router runs with.
+        weight_of_tp = router_weights(launch_problem)
+        self.config = dataclasses.replace(self.config, scheduler=launch_scheduler(self.config, weight_of_tp))
         self.rescorer = self._rescorer()
         await asyncio.to_thread(self.cluster.start, self.planning_problem, self.rescorer)
         self.publication = WeightPublication(
@@ -66,8 +74,7 @@ class JobWorkers:
             self.config, self.fleet, self.source.model_dir, self.hosts_hybrid_lane
         )
         price = self._bucket_pricing()
-        weight_of_tp = self._router_weights()
-        scheduler = launch_scheduler(self.config, weight_of_tp)
+        scheduler = self.config.scheduler
         if price is not None:
             scheduler = dataclasses.replace(scheduler, buckets=price(scheduler.buckets))
         pool = InstancePool(
@@ -175,26 +182,12 @@ class JobWorkers:
             return None
         return planner.priced_buckets
 
-    def _router_weights(self) -> Callable[[int], int]:
-        """Each rollout instance's router weight by TP size, from the planner's rollout model (as
-        the simulator weighs them): its KV capacity in units of the smallest instance's, so that
-        a mixed pool is loaded by capacity (C-MLFQ's caps and fair shares, least-load's loads)."""
-        from libra.job.problem import planning_problem
-        from libra.planner.cost_model import EfficiencyFactors
-        from libra.planner.rollout_cost import RolloutCostModel
-
-        problem = self.planning_problem or planning_problem(self.config, self.source.model_dir)
-        return RolloutCostModel(
-            problem.cluster, problem.model, problem.config, EfficiencyFactors()
-        ).router_weight
-
-    def _plan_launch_layout(self) -> None:
+    def _plan_launch_layout(self, problem) -> None:
         """`job.rollout_tp_sizes` empty: the planner's choice of rollout instances becomes the
         job's config (the parts built after this read it, and the loop takes it when the workers
         have started; the trackers' copy, logged before, keeps the empty field), said in an event."""
-        from libra.job.problem import planned_rollout_sizes, planning_problem
+        from libra.job.problem import planned_rollout_sizes
 
-        problem = self.planning_problem or planning_problem(self.config, self.source.model_dir)
         sizes, plan = planned_rollout_sizes(self.config, problem)
         self.job = dataclasses.replace(self.job, rollout_tp_sizes=sizes)
         self.config = dataclasses.replace(self.config, job=self.job)
@@ -280,21 +273,43 @@ class JobWorkers:
         await asyncio.to_thread(self.cluster.stop)
 
 
+def router_weights(problem) -> Callable[[int], int]:
+    """Each rollout instance's router weight by TP size, from the planner's rollout model on
+    `problem` (as the simulator weighs them): its KV capacity in units of the smallest instance
+    size that holds the model, so that a mixed pool is loaded by capacity."""
+    from libra.planner.cost_model import EfficiencyFactors
+    from libra.planner.rollout_cost import RolloutCostModel
+
+    return RolloutCostModel(problem.cluster, problem.model, problem.config, EfficiencyFactors()).router_weight
+
+
 def launch_scheduler(config: LibraConfig, weight_of_tp: Callable[[int], int]) -> CmlfqConfig:
     """`config.scheduler`, its `max_queue_length` derived when the config leaves it 0: the fair
     share, per unit of the launch pool's weight (`job.rollout_tp_sizes`, planned or given), of the
-    trajectories in flight (the train batch, once per version launched ahead). Said in the log."""
+    trajectories in flight (the train batch, once per version launched ahead). Said in the log; a
+    cap set below that share is kept, with a warning where the pool mixes TP sizes."""
     scheduler = config.scheduler
-    if scheduler.max_queue_length:
-        return scheduler
     in_flight = config.job.batch_size * (config.training.max_staleness + 1)
     total_weight = sum(weight_of_tp(tp) for tp in config.job.rollout_tp_sizes)
-    cap = fair_queue_length(in_flight, total_weight)
+    derived = fair_queue_length(in_flight, total_weight)
+    if scheduler.max_queue_length:
+        # On a pool of one TP size there is no other bucket to move to anyway.
+        if scheduler.max_queue_length < derived and len(set(config.job.rollout_tp_sizes)) > 1:
+            logger.warning(
+                "scheduler.max_queue_length %d per unit of weight is below the fair share of the %d "
+                "trajectories in flight over the pool's weight of %d (%d): every instance stays full and "
+                "C-MLFQ moves no trajectory until a step's tail; 0 derives it",
+                scheduler.max_queue_length,
+                in_flight,
+                total_weight,
+                derived,
+            )
+        return scheduler
     logger.info(
         "scheduler.max_queue_length derived: %d per unit of weight "
         "(%d trajectories in flight, pool weight %d)",
-        cap,
+        derived,
         in_flight,
         total_weight,
     )
-    return dataclasses.replace(scheduler, max_queue_length=cap)
+    return dataclasses.replace(scheduler, max_queue_length=derived)

@@ -89,10 +89,12 @@ class CmlfqConfig:
     that triggers it (about 10 ms for 5,000 trajectories) and holds up concurrent callers."""
     max_queue_length: int = 3
     """Live trajectories per unit of instance weight beyond which an instance takes no more while
-    another bucket has room (placement then falls back; see `Reason`). 0: derived where the pool
-    is known, by the job at launch and by the simulator (`fair_queue_length`): with the original's
-    3 and hundreds of trajectories in flight every instance is always full, so C-MLFQ can move
-    nobody (`Reason.TARGET_FULL_STAY`) and admission is least-load's. A router needs it resolved."""
+    another bucket has room (placement then falls back; see `Reason`); it also sets when the pool
+    drains (`draining_fraction`). 0: derived where the pool is known, by the job at launch
+    (`fair_queue_length`; the simulator derives its own where `sim.cmlfq_max_queue_length` is 0):
+    with the original's 3 and hundreds of trajectories in flight every instance is full until a
+    step's tail, so C-MLFQ moves nobody before it (`Reason.TARGET_FULL_STAY`) and admission is
+    least-load's. A router needs it resolved."""
     kv_full_fraction: float = 0.85
     """An instance whose engine reports its KV (`Router.set_instance_kv`) also has no room once
     that share of its KV tokens is in use, whatever its trajectory count: on long contexts a small

@@ -113,10 +113,11 @@ class Router(Protocol):
 
     def add_instance(self, instance_id: int, bucket: int, ready: bool = True, weight: int = 1) -> None:
         """A rollout instance of bucket `bucket` joins the pool. `weight` (>= 1): how many
-        sequences it holds relative to the pool's smallest instance; placement compares live
-        trajectories per unit of weight and caps an instance at max_queue_length x weight (C-MLFQ
-        also at its share by weight of what the pool holds, `CmlfqConfig.fair_share_headroom`),
-        so a heterogeneous pool is loaded by capacity, not by count."""
+        sequences it holds relative to the smallest instance (in the job and the simulator, of
+        the smallest TP size that holds the model: `RolloutCostModel.router_weight`); placement
+        compares live trajectories per unit of weight and caps an instance at max_queue_length x
+        weight (C-MLFQ also at its share by weight of what the pool holds,
+        `CmlfqConfig.fair_share_headroom`), so a heterogeneous pool is loaded by capacity."""
         ...
 
     def remove_instance(self, instance_id: int) -> list[str]:

@@ -3,6 +3,7 @@ input, and the report built from a run folder's JSONL files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -94,7 +95,7 @@ def test_each_rollout_tp_size_needs_a_scheduler_bucket():
     assert load_config(CONFIG, ["scheduler.max_queue_length=4"]).scheduler.max_queue_length == 4
 
 
-def test_a_cap_left_0_is_derived_at_launch_from_the_trajectories_in_flight_and_the_pools_weight():
+def test_a_cap_left_0_is_derived_at_launch_from_the_trajectories_in_flight_and_the_pools_weight(caplog):
     """8 prompts x 4 trajectories, launched up to 2 versions ahead: 96 in flight over TP-1, TP-1
     and TP-2 instances weighing 1, 1 and 3 -> ceil(96 / 5) = 20 per unit of weight. A cap the
     config sets is kept; the router refuses one left unresolved."""
@@ -111,8 +112,18 @@ def test_a_cap_left_0_is_derived_at_launch_from_the_trajectories_in_flight_and_t
     )
     assert launch_scheduler(config, weights).max_queue_length == 20
     assert launch_scheduler(config, weights).buckets == config.scheduler.buckets
-    kept = load_config(CONFIG, ["job.rollout_tp_sizes=1,1,2"])
+    # 64 in flight launched 1 version ahead: a fair share of 13, under the config's 16.
+    kept = load_config(CONFIG, ["job.prompts_per_step=8", "job.group_size=4", "job.rollout_tp_sizes=1,1,2"])
+    assert kept.training.max_staleness == 1
     assert launch_scheduler(kept, weights).max_queue_length == kept.scheduler.max_queue_length == 16
+    assert "below the fair share" not in caplog.text
+    low = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_queue_length=3))
+    assert launch_scheduler(low, weights).max_queue_length == 3  # kept, with a warning
+    assert "max_queue_length 3 per unit of weight is below the fair share of the 96" in caplog.text
+    caplog.clear()
+    one_size = dataclasses.replace(low, job=dataclasses.replace(low.job, rollout_tp_sizes=(1, 1, 1)))
+    launch_scheduler(one_size, weights)
+    assert "below the fair share" not in caplog.text  # one bucket: nothing to move between
     assert LibraConfig().scheduler.max_queue_length == 0  # a job derives it unless told
     # Never below the original's 3, however large the pool.
     assert (

@@ -16,6 +16,7 @@ def test_instances_join_the_router_with_their_weight_and_keep_it_when_restored()
         router = PlannedRouter([0])
         config = CmlfqConfig(buckets=(BucketConfig("short", 1, 100), BucketConfig("long", 4, 1000)))
         pool = InstancePool(router, TOKEN, config, weight_of_tp={1: 1, 4: 5}.__getitem__)
+        unweighted = InstancePool(PlannedRouter([0]), TOKEN, config)
         try:
             for instance_id, ((_, address), tp) in enumerate(zip(served, (1, 1, 4), strict=True)):
                 await pool.add(instance_id, address, tp_size=tp)
@@ -26,12 +27,11 @@ def test_instances_join_the_router_with_their_weight_and_keep_it_when_restored()
             await pool.restore(2)
             assert router.weights == {0: 1, 1: 1, 2: 5}
             # Without a weight function every instance weighs 1 (the router's default).
-            unweighted = InstancePool(PlannedRouter([0]), TOKEN, config)
             await unweighted.add(0, served[2][1], tp_size=4)
             assert unweighted.router.weights == {0: 1}
-            await unweighted.close()
         finally:
             await pool.close()
+            await unweighted.close()
             for server, _ in served:
                 await server.stop(None)
 
