@@ -114,6 +114,7 @@ class JobWorkers:
             f"{len(self.fleet.rollout_instances())} rollout instances, "
             f"{len(self.train_ranks.addresses)} train rank(s)",
             model=str(self.source.model_dir),
+            max_queue_length=self.config.scheduler.max_queue_length,
         )
 
     async def _start_endpoint(self) -> None:
@@ -286,30 +287,46 @@ def router_weights(problem) -> Callable[[int], int]:
 def launch_scheduler(config: LibraConfig, weight_of_tp: Callable[[int], int]) -> CmlfqConfig:
     """`config.scheduler`, its `max_queue_length` derived when the config leaves it 0: the fair
     share, per unit of the launch pool's weight (`job.rollout_tp_sizes`, planned or given), of the
-    trajectories in flight (the train batch, once per version launched ahead). Said in the log; a
-    cap set below that share is kept, with a warning where the pool mixes TP sizes."""
+    trajectories in flight (the train batch, once per version launched ahead). Said in the log
+    (and in the `started` event; the trackers' copy of the config, logged before, keeps the 0). A
+    cap set by hand is kept, with a warning where C-MLFQ routes a mixed pool and the cap is below
+    that share or so far above it that the pool always counts as draining."""
     scheduler = config.scheduler
     in_flight = config.job.batch_size * (config.training.max_staleness + 1)
     total_weight = sum(weight_of_tp(tp) for tp in config.job.rollout_tp_sizes)
     derived = fair_queue_length(in_flight, total_weight)
-    if scheduler.max_queue_length:
-        # On a pool of one TP size there is no other bucket to move to anyway.
-        if scheduler.max_queue_length < derived and len(set(config.job.rollout_tp_sizes)) > 1:
-            logger.warning(
-                "scheduler.max_queue_length %d per unit of weight is below the fair share of the %d "
-                "trajectories in flight over the pool's weight of %d (%d): every instance stays full and "
-                "C-MLFQ moves no trajectory until a step's tail; 0 derives it",
-                scheduler.max_queue_length,
-                in_flight,
-                total_weight,
-                derived,
-            )
+    if not scheduler.max_queue_length:
+        logger.info(
+            "scheduler.max_queue_length derived: %d per unit of weight "
+            "(%d trajectories in flight, pool weight %d)",
+            derived,
+            in_flight,
+            total_weight,
+        )
+        return dataclasses.replace(scheduler, max_queue_length=derived)
+    # On a pool of one TP size there is no other bucket to move to, and only C-MLFQ moves.
+    if config.job.router != "cmlfq" or len(set(config.job.rollout_tp_sizes)) < 2:
         return scheduler
-    logger.info(
-        "scheduler.max_queue_length derived: %d per unit of weight "
-        "(%d trajectories in flight, pool weight %d)",
-        derived,
-        in_flight,
-        total_weight,
-    )
-    return dataclasses.replace(scheduler, max_queue_length=derived)
+    cap = scheduler.max_queue_length
+    if cap < derived:
+        logger.warning(
+            "scheduler.max_queue_length %d per unit of weight is below the fair share of the %d "
+            "trajectories in flight over the pool's weight of %d (%d): every instance stays full and "
+            "C-MLFQ moves no trajectory until a step's tail; 0 derives it",
+            cap,
+            in_flight,
+            total_weight,
+            derived,
+        )
+    elif scheduler.draining_fraction * cap * total_weight >= in_flight:
+        logger.warning(
+            "scheduler.max_queue_length %d per unit of weight is so far above the fair share of the %d "
+            "trajectories in flight over the pool's weight of %d (%d) that the pool always counts as "
+            "draining: the fair-share bound never applies and trajectories move to faster buckets "
+            "throughout; 0 derives it",
+            cap,
+            in_flight,
+            total_weight,
+            derived,
+        )
+    return scheduler

@@ -123,7 +123,13 @@ def test_a_cap_left_0_is_derived_at_launch_from_the_trajectories_in_flight_and_t
     caplog.clear()
     one_size = dataclasses.replace(low, job=dataclasses.replace(low.job, rollout_tp_sizes=(1, 1, 1)))
     launch_scheduler(one_size, weights)
-    assert "below the fair share" not in caplog.text  # one bucket: nothing to move between
+    least_load = dataclasses.replace(low, job=dataclasses.replace(low.job, router="least_load"))
+    launch_scheduler(least_load, weights)
+    assert "below the fair share" not in caplog.text  # one bucket, or a router that moves nobody
+    # 0.25 x 80 x 5 >= 96: the pool would always count as draining.
+    high = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_queue_length=80))
+    assert launch_scheduler(high, weights).max_queue_length == 80
+    assert "max_queue_length 80 per unit of weight is so far above the fair share" in caplog.text
     assert LibraConfig().scheduler.max_queue_length == 0  # a job derives it unless told
     # Never below the original's 3, however large the pool.
     assert (

@@ -22,6 +22,7 @@ from libra.scheduler import (
     BucketSpeed,
     CmlfqConfig,
     CmlfqRouter,
+    Reason,
     SizeClass,
     ToolReturnState,
 )
@@ -86,6 +87,9 @@ ops = st.tuples(st.sampled_from(KINDS), st.integers(0, 50), st.integers(0, 600),
 traces = st.lists(ops, min_size=20, max_size=200)
 
 
+FALLBACKS = (Reason.BUCKET_SATURATED_FALLBACK, Reason.ANY_INSTANCE_FALLBACK)
+
+
 class Twin:
     """Runs every operation on the C++ router and the reference and checks they agree."""
 
@@ -122,7 +126,12 @@ class Twin:
                 self.generated[trajectory] += tokens
                 state = STATES[(index + tokens) % len(STATES)]
                 context = self.generated[trajectory] + 100 * index
-                self.both("on_tool_return", trajectory, state, self.generated[trajectory], context)
+                holder = self.reference.live[trajectory].instance
+                was_placed = holder is not None and self.reference.instances[holder].ready
+                decision = self.both("on_tool_return", trajectory, state, self.generated[trajectory], context)
+                # From a ready instance a trajectory stays or moves where the decision aimed: a
+                # move is judged against the pool its placement sees.
+                assert not was_placed or decision.reason not in FALLBACKS, decision
             elif kind == "finish":
                 self.both("on_finish", trajectory, self.generated.pop(trajectory) + tokens)
             elif kind == "abort":
