@@ -91,6 +91,7 @@ void bind_cmlfq(py::module_& m) {
       .def("set_speeds",
            [](Scheduler& s, const std::vector<SpeedTuple>& speeds) { s.set_speeds(as_speeds(speeds)); },
            release_gil(), py::arg("bucket_speeds"))
+      .def("set_max_queue_length", &Scheduler::set_max_queue_length, release_gil(), py::arg("max_queue_length"))
       .def("thresholds", &Scheduler::thresholds, release_gil())
       .def("set_instance_ready", &Scheduler::set_instance_ready, release_gil())
       .def("set_instance_kv", &Scheduler::set_instance_kv, release_gil(), py::arg("instance"), py::arg("used"),

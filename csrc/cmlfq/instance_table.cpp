@@ -65,6 +65,11 @@ void InstanceTable::rebucket(uint32_t num_buckets, const std::vector<std::pair<I
 
 void InstanceTable::set_ready(InstanceId id, bool ready) { at(id).ready = ready; }
 
+void InstanceTable::set_max_queue_length(uint32_t max_queue_length) {
+  if (max_queue_length == 0) throw std::invalid_argument("max_queue_length must be >= 1");
+  max_queue_length_ = max_queue_length;
+}
+
 void InstanceTable::set_kv(InstanceId id, int64_t used, int64_t capacity) {
   if (used < 0 || capacity < 0) throw std::invalid_argument("KV tokens must be non-negative");
   InstanceLoad& load = at(id);

@@ -40,6 +40,9 @@ class InstanceTable {
   void add(InstanceId id, uint32_t bucket, bool ready, uint32_t weight = 1);
   void remove(InstanceId id);
   void set_ready(InstanceId id, bool ready);
+  // A new cap per unit of weight (>= 1; the pool it is derived from changed). Throws
+  // std::invalid_argument for 0.
+  void set_max_queue_length(uint32_t max_queue_length);
   // What its engine reports (both >= 0; capacity 0 forgets an earlier report). While
   // kv_used >= kv_full_fraction * kv_capacity it has no room, whatever its trajectory count.
   void set_kv(InstanceId id, int64_t used, int64_t capacity);

@@ -284,6 +284,11 @@ void Scheduler::set_speeds(std::vector<BucketSpeed> speeds) {
   speeds_ = std::move(speeds);
 }
 
+void Scheduler::set_max_queue_length(uint32_t max_queue_length) {
+  std::lock_guard lock(mutex_);
+  instances_.set_max_queue_length(max_queue_length);
+}
+
 std::vector<int64_t> Scheduler::thresholds() const {
   std::lock_guard lock(mutex_);
   return thresholds_;

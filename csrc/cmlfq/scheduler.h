@@ -54,6 +54,9 @@ class Scheduler {
   // The buckets' speeds alone (empty, or one per bucket): nobody is decided again; they apply
   // from each trajectory's next tool return.
   void set_speeds(std::vector<BucketSpeed> speeds);
+  // The cap of live trajectories per unit of instance weight (>= 1), e.g. re-derived for a pool
+  // whose weight a plan changed: nobody is decided again; it applies from the next placement.
+  void set_max_queue_length(uint32_t max_queue_length);
   std::vector<int64_t> thresholds() const;
   // Returns the trajectories that ran there, ascending; they stay live, unplaced, until rerouted.
   std::vector<TrajectoryId> remove_instance(InstanceId instance);

@@ -66,7 +66,6 @@ class JobRescorer:
             planner=problem.config,  # with the engines' batch and KV sizes (`libra.job.problem`)
             num_steps=steps,
             history_size=history_size,
-            cmlfq_max_queue_length=config.scheduler.max_queue_length,
             cmlfq=config.scheduler,
             cmlfq_price_moves=config.job.price_moves and config.job.router == "cmlfq",
             fixed_node_pattern=(cluster.devices_per_node,),

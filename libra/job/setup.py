@@ -61,11 +61,13 @@ class JobWorkers:
         launch_problem = self.planning_problem or planning_problem(self.config, self.source.model_dir)
         if not self.job.rollout_tp_sizes:
             self._plan_launch_layout(launch_problem)
-        # The router's trajectory cap for the launch pool (where the config leaves it 0), before
-        # the rescorer: it simulates the candidate plans with the cap the router runs with.
-        weight_of_tp = router_weights(launch_problem)
-        self.config = dataclasses.replace(self.config, scheduler=launch_scheduler(self.config, weight_of_tp))
+        # The rescorer takes the cap as the config states it: where it is derived, each candidate
+        # plan's simulation derives it for its own pool, as the pool does for the router when a
+        # plan changes it (`trajectories_in_flight` below).
         self.rescorer = self._rescorer()
+        weight_of_tp = router_weights(launch_problem)
+        derived_cap = not self.config.scheduler.max_queue_length
+        self.config = dataclasses.replace(self.config, scheduler=launch_scheduler(self.config, weight_of_tp))
         await asyncio.to_thread(self.cluster.start, self.planning_problem, self.rescorer)
         self.publication = WeightPublication(
             recorder, self.cluster.token, self.config.control, self.job.keep_weight_versions
@@ -84,6 +86,7 @@ class JobWorkers:
             self.config.control,
             price,
             weight_of_tp,
+            trajectories_in_flight=trajectories_in_flight(self.config) if derived_cap else 0,
         )
         self.instances = RolloutInstances(
             self.config, self.cluster, self.fleet, self.publication, recorder, self.source.model_dir, pool
@@ -284,15 +287,21 @@ def router_weights(problem) -> Callable[[int], int]:
     return RolloutCostModel(problem.cluster, problem.model, problem.config, EfficiencyFactors()).router_weight
 
 
+def trajectories_in_flight(config: LibraConfig) -> int:
+    """What rollout can hold at once: the train batch, once per version launched ahead."""
+    return config.job.batch_size * (config.training.max_staleness + 1)
+
+
 def launch_scheduler(config: LibraConfig, weight_of_tp: Callable[[int], int]) -> CmlfqConfig:
     """`config.scheduler`, its `max_queue_length` derived when the config leaves it 0: the fair
     share, per unit of the launch pool's weight (`job.rollout_tp_sizes`, planned or given), of the
-    trajectories in flight (the train batch, once per version launched ahead). Said in the log
-    (and in the `started` event; the trackers' copy of the config, logged before, keeps the 0). A
+    trajectories in flight (`trajectories_in_flight`). Said in the log (and in the `started`
+    event; the trackers' copy of the config, logged before, keeps the 0); the pool derives it
+    again whenever its instances change (`InstancePool`, `FairQueueLength`). A
     cap set by hand is kept, with a warning where C-MLFQ routes a mixed pool and the cap is below
     that share or so far above it that the pool always counts as draining."""
     scheduler = config.scheduler
-    in_flight = config.job.batch_size * (config.training.max_staleness + 1)
+    in_flight = trajectories_in_flight(config)
     total_weight = sum(weight_of_tp(tp) for tp in config.job.rollout_tp_sizes)
     derived = fair_queue_length(in_flight, total_weight)
     if not scheduler.max_queue_length:

@@ -31,7 +31,7 @@ from libra.control.config import ControlConfig
 from libra.control.types import EventKind
 from libra.rollout.client import InstanceClient, open_aio_channel
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Router, reprice
+from libra.scheduler.interface import FairQueueLength, Router, reprice
 from libra.v1 import controller_pb2, controller_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class InstancePool:
         control: ControlConfig | None = None,
         price_buckets: Callable[[Sequence[BucketConfig]], tuple[BucketConfig, ...]] | None = None,
         weight_of_tp: Callable[[int], int] | None = None,
+        trajectories_in_flight: int = 0,
     ):
         self.router = router
         self._token = token
@@ -83,6 +84,13 @@ class InstancePool:
         self._weight_of_tp = weight_of_tp
         """An instance's router weight by its TP size (its KV capacity relative to the smallest
         instance's: the planner's model), or None: every instance weighs 1."""
+        self._queue_length = (
+            FairQueueLength(router, trajectories_in_flight, cmlfq.max_queue_length)
+            if trajectories_in_flight
+            else None
+        )
+        """The router's cap, derived again from the pool's weight whenever an instance joins or
+        leaves service (`FairQueueLength`); None: the config's cap (set by hand) is kept."""
         self._control = control
         self._instances: dict[int, PooledInstance] = {}
         self._removed: dict[int, PooledInstance] = {}
@@ -126,6 +134,7 @@ class InstancePool:
         self._instances[instance_id] = pooled
         self._removed.pop(instance_id, None)
         self.router.add_instance(instance_id, pooled.bucket, weight=weight)
+        self._fit_queue_length()
         self._announce_change()
         logger.info("rollout instance %d at %s joined bucket %d", instance_id, address, pooled.bucket)
         if worker_id in self._ended_workers:
@@ -161,6 +170,7 @@ class InstancePool:
         # A failure overrides a plan's withdrawal: a failed instance is not restored.
         pooled.lost, pooled.lost_reason, pooled.withdrawn = True, reason, False
         displaced = self.router.on_instance_lost(instance_id)
+        self._fit_queue_length()
         num_cut = pooled.client.fail_calls(f"instance {instance_id} lost: {reason}")
         logger.warning(
             "rollout instance %d lost (%s); %d trajectories displaced, %d calls cut",
@@ -203,6 +213,7 @@ class InstancePool:
             return []
         pooled.lost, pooled.lost_reason = True, reason
         displaced = self.router.remove_instance(instance_id)
+        self._fit_queue_length()
         num_calls = pooled.client.fail_calls(f"instance {instance_id} cut: {reason}")
         logger.info(
             "rollout instance %d cut (%s); %d trajectories displaced, %d calls ended",
@@ -226,6 +237,7 @@ class InstancePool:
             await old.close()
             pooled.lost, pooled.lost_reason = False, ""
             self.router.add_instance(instance_id, pooled.bucket, weight=pooled.weight)
+            self._fit_queue_length()
         else:
             self.router.set_instance_ready(instance_id, True)
         pooled.withdrawn = False
@@ -286,6 +298,18 @@ class InstancePool:
         if pooled.lost:
             raise LookupError(f"cannot {what} instance {instance_id}: out of service ({pooled.lost_reason})")
         return pooled
+
+    def _fit_queue_length(self) -> None:
+        if self._queue_length is None:
+            return
+        weight = sum(p.weight for p in self._instances.values() if not p.lost)
+        cap = self._queue_length.follow(weight)
+        if cap is not None:
+            logger.info(
+                "scheduler.max_queue_length derived again: %d per unit of weight (pool weight %d)",
+                cap,
+                weight,
+            )
 
     def _announce_change(self) -> None:
         self.changed.set()

@@ -27,7 +27,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Reason, check_kv
+from libra.scheduler.interface import Decision, Reason, check_kv, check_queue_length
 from libra.scheduler.tool_state import ToolReturnState
 
 if TYPE_CHECKING:
@@ -165,6 +165,10 @@ class _BaselineRouter:
                 self._instances[live.instance].bucket if live.instance is not None else min(live.bucket, last)
             )
         return []
+
+    def set_max_queue_length(self, max_queue_length: int) -> None:
+        check_queue_length(max_queue_length)
+        self.config = dataclasses.replace(self.config, max_queue_length=max_queue_length)
 
     # Placement.
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from libra import _native
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Reason, check_kv
+from libra.scheduler.interface import Decision, Reason, check_kv, check_queue_length
 from libra.scheduler.tool_state import ToolReturnState
 
 _REASONS = tuple(Reason)
@@ -132,6 +132,12 @@ class CmlfqRouter:
         moved = self._core.update_buckets(config.thresholds, sorted(instance_buckets.items()), config.speeds)
         self.config = config
         return [_decision(trajectory_id, decision) for trajectory_id, decision in moved]
+
+    def set_max_queue_length(self, max_queue_length: int) -> None:
+        """See `Router.set_max_queue_length`."""
+        check_queue_length(max_queue_length)
+        self._core.set_max_queue_length(max_queue_length)
+        self.config = dataclasses.replace(self.config, max_queue_length=max_queue_length)
 
     def set_bucket_speeds(self, buckets: Sequence[BucketConfig]) -> None:
         """New speeds for the same buckets (`BucketConfig.speed`; names, TP sizes and thresholds

@@ -90,8 +90,8 @@ class CmlfqConfig:
     max_queue_length: int = 3
     """Live trajectories per unit of instance weight beyond which an instance takes no more while
     another bucket has room (placement then falls back; see `Reason`); it also sets when the pool
-    drains (`draining_fraction`). 0: derived where the pool is known, by the job at launch
-    (`fair_queue_length`; the simulator derives its own where `sim.cmlfq_max_queue_length` is 0):
+    drains (`draining_fraction`). 0: derived where the pool is known (`fair_queue_length`), by
+    the job and the simulator at launch and again whenever the pool changes (`FairQueueLength`):
     with the original's 3 and hundreds of trajectories in flight every instance is full until a
     step's tail, so C-MLFQ moves nobody before it (`Reason.TARGET_FULL_STAY`) and admission is
     least-load's. A router needs it resolved."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.config import _MAX_TOKENS, BucketConfig, CmlfqConfig, fair_queue_length
 from libra.scheduler.tool_state import ToolReturnState
 
 
@@ -155,6 +155,12 @@ class Router(Protocol):
         with a valid bucket."""
         ...
 
+    def set_max_queue_length(self, max_queue_length: int) -> None:
+        """A new cap of live trajectories per unit of instance weight (`CmlfqConfig.max_queue_length`,
+        1..2**31-1, else ValueError), e.g. derived again for a pool a plan changed
+        (`FairQueueLength`): nobody is decided again, it applies from the next placement."""
+        ...
+
 
 _MAX_KV_TOKENS = 2**53
 """KV token counts the core compares exactly with a fraction of them (a double holds every
@@ -169,6 +175,40 @@ def check_kv(instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
         f"instance {instance_id}: KV tokens must be in 0..{_MAX_KV_TOKENS}, "
         f"got used {used_tokens}, capacity {capacity_tokens}"
     )
+
+
+def check_queue_length(max_queue_length: int) -> None:
+    """ValueError unless a cap set at run time (`Router.set_max_queue_length`) is in 1..2**31-1
+    (0, "derived", is for configs: a router runs with a resolved cap)."""
+    if not 1 <= max_queue_length <= _MAX_TOKENS:
+        raise ValueError(f"max_queue_length must be in 1..{_MAX_TOKENS}, got {max_queue_length}")
+
+
+class FairQueueLength:
+    """A derived cap (`CmlfqConfig.max_queue_length` left 0) kept derived as the pool changes: the
+    fair share (`fair_queue_length`) of the `in_flight` trajectories per unit of the weight of
+    the instances the router serves. The owner of the pool (the job's `InstancePool`, the
+    simulator's `RolloutCluster`) calls `follow` after every change of it: a cap derived for the
+    launch pool and kept leaves every instance full after a plan shrinks the pool (C-MLFQ then
+    moves nobody), and the pool always draining after one grows it (the fair-share bound off)."""
+
+    def __init__(self, router: Router, in_flight: int, max_queue_length: int) -> None:
+        if in_flight < 1:
+            raise ValueError(f"trajectories in flight must be >= 1, got {in_flight}")
+        self.router = router
+        self.in_flight = in_flight
+        self.max_queue_length = max_queue_length
+        """The router's cap now."""
+
+    def follow(self, pool_weight: int) -> int | None:
+        """Sets the cap for a pool of `pool_weight`; returns it where it changed, else None. A
+        pool of no weight (every instance gone) keeps the cap: nothing is placed meanwhile."""
+        cap = fair_queue_length(self.in_flight, pool_weight)
+        if pool_weight < 1 or cap == self.max_queue_length:
+            return None
+        self.router.set_max_queue_length(cap)
+        self.max_queue_length = cap
+        return cap
 
 
 def reprice(

@@ -291,18 +291,16 @@ class SimConfig:
     policies: tuple[str, ...] = tuple(POLICIES)
     history_size: int = 256
     """Finished trajectories the planner plans from (a preflight sample at the start)."""
-    cmlfq_max_queue_length: int = 0
-    """Live trajectories per instance before C-MLFQ falls back to another bucket; 0: derived
-    from the initial pool (the fair share of the trajectories in flight; C-MLFQ's
-    `fair_share_headroom` bounds each instance by what the pool holds now)."""
     planner_rescore_steps: int = 0
     """The planner re-scores its candidate plans -- its optimum and the best pool of each TP
     size -- by simulating each for this many steps on the workload as it is (`libra.sim.rescoring`),
     at the initial plan and at every re-plan its model would apply; 0: its cost model decides alone."""
-    cmlfq: CmlfqConfig = field(default_factory=CmlfqConfig)
+    cmlfq: CmlfqConfig = field(default_factory=lambda: CmlfqConfig(max_queue_length=0))
     """C-MLFQ's settings (`scheduler.*` in the job: demotion, the KV share counted full, the
-    draining share, the P90 window, rebuilds); its buckets are the simulated layout's, and its
-    queue length is `cmlfq_max_queue_length`'s."""
+    draining share, the cap, the P90 window, rebuilds); its buckets are the simulated layout's.
+    Its `max_queue_length` 0 (the default here, as in the job) is derived for the launch pool and
+    again whenever a plan changes the pool, as the job derives it (`FairQueueLength`); the
+    baselines that cap their placements take the same cap."""
     cmlfq_price_moves: bool = True
     """C-MLFQ's buckets carry their instances' speed from the cost model
     (`libra.planner.routing_speeds`), so a promotion is made only when it saves more decoding on
@@ -364,8 +362,8 @@ class SimConfig:
                 f"sim.workload.group_size ({self.workload.group_size}) must equal "
                 f"sim.batch.group_size ({self.batch.group_size})"
             )
-        if self.history_size < 1 or self.cmlfq_max_queue_length < 0:
-            raise ValueError("sim.history_size must be >= 1 and cmlfq_max_queue_length >= 0")
+        if self.history_size < 1:
+            raise ValueError(f"sim.history_size must be >= 1, got {self.history_size}")
         if sum(self.fixed_node_pattern) != self.devices_per_node:
             raise ValueError(
                 f"sim.fixed_node_pattern {self.fixed_node_pattern} must fill a node "

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from libra.planner.rollout_cost import RolloutCostModel
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Router, reprice
+from libra.scheduler.interface import Decision, FairQueueLength, Router, reprice
 from libra.scheduler.tool_state import ToolReturnState
 from libra.sim.instance import Instance, Sequence, StepCoefficients
 from libra.trace import TrajectoryTrace
@@ -74,8 +74,16 @@ class RolloutCluster:
         migration: str = "reprefill",
         kv_move_bandwidth_bytes_per_s: float = 0.0,
         token_budget: int | Callable[[int], int] = 2048,
+        trajectories_in_flight: int = 0,
     ):
         self.router = router
+        self._queue_length = (
+            FairQueueLength(router, trajectories_in_flight, cmlfq_config.max_queue_length)
+            if trajectories_in_flight
+            else None
+        )
+        """The router's cap, derived again from the pool's weight whenever an instance joins or
+        leaves (`FairQueueLength`); None: `cmlfq_config`'s is kept."""
         self.cmlfq_config = cmlfq_config
         self.cost = cost
         self.max_batch = max_batch
@@ -150,6 +158,7 @@ class RolloutCluster:
         self.instances[inst.instance_id] = inst
         ready = ready_at <= self.now
         self.router.add_instance(inst.instance_id, bucket, ready=ready, weight=self.cost.router_weight(tp))
+        self._fit_queue_length()
         if ready:
             self.reroute_unplaced()  # those an earlier removal left waiting
         else:
@@ -188,7 +197,12 @@ class RolloutCluster:
             key = self._by_id[trajectory_id]
             self.live[key].instance = None
             self.unplaced.add(key)
+        self._fit_queue_length()
         self.reroute_unplaced()
+
+    def _fit_queue_length(self) -> None:
+        if self._queue_length is not None:
+            self._queue_length.follow(sum(self.cost.router_weight(i.tp) for i in self.instances.values()))
 
     def update_buckets(self, buckets: SequenceOf[BucketConfig], instance_buckets: Mapping[int, int]) -> int:
         """A re-plan changed the buckets (`Router.update_buckets`). The router decides every live

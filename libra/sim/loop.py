@@ -32,7 +32,7 @@ from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.routing_speeds import with_speeds
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
 from libra.planner.triggers import StepObservation
-from libra.scheduler.config import BucketConfig
+from libra.scheduler.config import BucketConfig, fair_queue_length
 from libra.scheduler.factory import make_router
 from libra.sim.config import Mode, PolicySpec, SimConfig
 from libra.sim.engine import LiveTrajectory, RolloutCluster
@@ -42,9 +42,9 @@ from libra.sim.pools import (
     bucket_configs,
     bucket_of,
     build_layout,
-    derived_queue_length,
     plan_buckets,
     planning_problem,
+    trajectories_in_flight,
 )
 from libra.sim.workloads import GroupSource, WorkloadGenerator
 from libra.trace import TrajectoryTrace
@@ -118,8 +118,13 @@ class PolicyRun:
             config.planner,
             config.train_factors,
         )
+        # A cap the config leaves 0 is derived for the launch pool, and again by the cluster
+        # whenever a plan changes the pool, as the job's pool does.
+        in_flight = trajectories_in_flight(config, policy)
+        derived_cap = not config.cmlfq.max_queue_length
         total_weight = sum(rollout_cost.router_weight(i.tp) for i in layout.instances)
-        cmlfq_config = layout.cmlfq_config(config.cmlfq, derived_queue_length(config, policy, total_weight))
+        cap = fair_queue_length(in_flight, total_weight) if derived_cap else config.cmlfq.max_queue_length
+        cmlfq_config = layout.cmlfq_config(config.cmlfq, cap)
         self.rollout_cost = rollout_cost
         cmlfq_config = replace(cmlfq_config, buckets=self._priced(cmlfq_config.buckets))
         router = make_router(policy.router, cmlfq_config)
@@ -131,6 +136,7 @@ class PolicyRun:
             config.costs.migration,
             config.costs.kv_move_bandwidth_bytes_per_s,
             config.token_budget,
+            trajectories_in_flight=in_flight if derived_cap else 0,
         )
         self.cluster.on_finish = self._on_finish
         self.instance_of_name: dict[str, int] = {}

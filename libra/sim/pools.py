@@ -25,7 +25,7 @@ from libra.planner.training_cost import (
     TrainingCostModel,
     batch_split_error,
 )
-from libra.scheduler.config import BucketConfig, CmlfqConfig, fair_queue_length
+from libra.scheduler.config import BucketConfig, CmlfqConfig
 from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
 from libra.training.elastic import HybridPoolLimits
 
@@ -216,14 +216,10 @@ def initial_plan(config: SimConfig, history: tuple[RequestRecord, ...], max_stal
     )
 
 
-def derived_queue_length(config: SimConfig, policy: PolicySpec, total_weight: int) -> int:
-    """C-MLFQ's cap per unit of instance weight: the config's, or when it leaves it 0 the fair
-    share of the trajectories the policy keeps in flight (`fair_queue_length`)."""
-    if config.cmlfq_max_queue_length:
-        return config.cmlfq_max_queue_length
+def trajectories_in_flight(config: SimConfig, policy: PolicySpec) -> int:
+    """What the policy's rollout holds at once: the train batch, once per version it runs ahead."""
     staleness = config.batch.max_staleness if policy.max_staleness is None else policy.max_staleness
-    in_flight = config.batch.global_batch * (1 if policy.mode is Mode.COLOCATED_SYNC else staleness + 1)
-    return fair_queue_length(in_flight, total_weight)
+    return config.batch.global_batch * (1 if policy.mode is Mode.COLOCATED_SYNC else staleness + 1)
 
 
 def _strictly_increasing(values: list[int]) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ same order, so both round alike.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -297,6 +298,9 @@ class ReferenceCmlfq:
     def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
         instance = self.instances[instance_id]
         instance.kv_used, instance.kv_capacity = used_tokens, capacity_tokens
+
+    def set_max_queue_length(self, max_queue_length: int) -> None:
+        self.config = dataclasses.replace(self.config, max_queue_length=max_queue_length)
 
     def set_bucket_speeds(self, buckets) -> None:
         self.speeds = [b.speed.as_tuple() for b in buckets if b.speed is not None]

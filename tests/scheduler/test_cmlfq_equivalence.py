@@ -81,7 +81,7 @@ KINDS = (
     + ["finish"] * 3
     + ["add"] * 2
     + ["kv"] * 3
-    + ["abort", "reroute", "lose", "ready", "rebuild", "update", "speeds"]
+    + ["abort", "reroute", "lose", "ready", "rebuild", "update", "speeds", "cap"]
 )
 ops = st.tuples(st.sampled_from(KINDS), st.integers(0, 50), st.integers(0, 600), st.booleans())
 traces = st.lists(ops, min_size=20, max_size=200)
@@ -160,6 +160,9 @@ class Twin:
             self.both("rebuild")
         elif kind == "update":
             self.update_buckets(index, tokens)
+        elif kind == "cap":
+            # A plan changed the pool's weight: its derived cap moves (`FairQueueLength`).
+            self.both("set_max_queue_length", 1 + tokens % 20)
         elif kind == "speeds" and self.native.config.speeds:
             rng = random.Random(index * 1000 + tokens)
             buckets = tuple(dataclasses.replace(b, speed=speed(rng)) for b in self.native.config.buckets)

@@ -8,6 +8,7 @@ import pytest
 
 from libra import _native
 from libra.scheduler import BucketConfig, CmlfqConfig, CmlfqRouter, Reason, SizeClass, ToolReturnState
+from libra.scheduler.interface import FairQueueLength
 from libra.trajectory import ToolStatus
 
 FAIL = ToolReturnState("python", SizeClass.LARGE, ToolStatus.FAILURE)
@@ -507,3 +508,33 @@ def test_a_move_is_judged_against_the_pool_it_leaves_not_counted_twice() -> None
 def test_bad_fair_share_headroom_is_refused(value: float) -> None:
     with pytest.raises(ValueError, match="fair_share_headroom"):
         CmlfqConfig(fair_share_headroom=value)
+
+
+def test_a_new_cap_applies_from_the_next_placement() -> None:
+    """`set_max_queue_length` (a plan changed the pool the cap was derived for): the trajectories
+    placed stay where they are, and the next placement sees the new cap."""
+    router = make_router((0, 1), max_queue_length=1, fair_share_headroom=0.0, draining_fraction=0.0)
+    assert [router.admit(f"t{i}", "p").instance_id for i in range(2)] == [0, 1]  # 0 is full at 1
+    router.set_max_queue_length(2)
+    assert router.config.max_queue_length == 2
+    third = router.admit("t2", "p")
+    assert (third.instance_id, third.reason) == (0, Reason.ADMITTED)
+    assert [load.active for load in router.instance_loads()] == [2, 1]
+    router.set_max_queue_length(1)  # below what instance 0 holds: nobody moves, it takes no more
+    assert [load.active for load in router.instance_loads()] == [2, 1]
+    fourth = router.admit("t3", "p")
+    assert fourth.reason is Reason.ANY_INSTANCE_FALLBACK
+    with pytest.raises(ValueError, match="max_queue_length must be in 1"):
+        router.set_max_queue_length(0)
+    assert router.config.max_queue_length == 1
+
+
+def test_a_derived_cap_follows_the_pools_weight() -> None:
+    router = make_router((0, 1), max_queue_length=10)
+    cap = FairQueueLength(router, in_flight=40, max_queue_length=10)
+    assert cap.follow(4) is None and router.config.max_queue_length == 10  # 40 / 4: unchanged
+    assert cap.follow(2) == 20 and router.config.max_queue_length == 20  # the pool halved
+    assert cap.follow(100) == 3  # never below the original's 3
+    assert cap.follow(0) is None and router.config.max_queue_length == 3  # no pool: kept
+    with pytest.raises(ValueError, match="in flight"):
+        FairQueueLength(router, in_flight=0, max_queue_length=3)

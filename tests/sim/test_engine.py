@@ -439,3 +439,29 @@ def test_instances_report_held_and_queued_kv_to_the_router_when_it_changes():
     cluster.run_until(lambda: not cluster.live)
     assert [used for _, used, _ in router.reports] == [1000, 3000, 2000, 0]
     assert inst.cached_tokens > 0
+
+
+def test_a_derived_cap_follows_the_pool_as_instances_join_and_leave():
+    """With the trajectories in flight given (the config's cap left 0), the cluster keeps the
+    router's cap at their fair share per unit of the pool's weight (`fair_queue_length`), as the
+    job's pool does: a plan that shrinks the pool raises it, one that grows it lowers it."""
+    config = tiny_config()
+    cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS)
+    cmlfq = CmlfqConfig(
+        buckets=(BucketConfig("a", 1, 1000), BucketConfig("b", 2, 100000)), max_queue_length=5
+    )
+    router = CmlfqRouter(cmlfq)
+    cluster = RolloutCluster(router, cmlfq, cost, max_batch=64, trajectories_in_flight=120)
+    w1, w2 = cost.router_weight(1), cost.router_weight(2)
+    first = cluster.add_instance("i0", 1, 0, (0,), ready_at=0.0)
+    assert router.config.max_queue_length == -(-120 // w1)
+    cluster.add_instance("i1", 1, 0, (1,), ready_at=0.0)
+    cluster.add_instance("i2", 2, 1, (2, 3), ready_at=5.0)  # loading: it will serve, it counts
+    assert router.config.max_queue_length == max(3, -(-120 // (2 * w1 + w2)))
+    cluster.remove_instance(first.instance_id)
+    assert router.config.max_queue_length == max(3, -(-120 // (w1 + w2)))
+    # A cap set by hand is kept.
+    kept = CmlfqRouter(cmlfq)
+    by_hand = RolloutCluster(kept, cmlfq, cost, max_batch=64)
+    by_hand.add_instance("i0", 1, 0, (0,), ready_at=0.0)
+    assert kept.config.max_queue_length == 5
