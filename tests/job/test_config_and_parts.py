@@ -112,8 +112,16 @@ def test_a_cap_left_0_is_derived_at_launch_from_the_trajectories_in_flight_and_t
     )
     assert launch_scheduler(config, weights).max_queue_length == 20
     assert launch_scheduler(config, weights).buckets == config.scheduler.buckets
-    # 64 in flight launched 1 version ahead: a fair share of 13, under the config's 16.
-    kept = load_config(CONFIG, ["job.prompts_per_step=8", "job.group_size=4", "job.rollout_tp_sizes=1,1,2"])
+    # 64 in flight launched 1 version ahead: a fair share of 13, under the 16 set by hand.
+    kept = load_config(
+        CONFIG,
+        [
+            "job.prompts_per_step=8",
+            "job.group_size=4",
+            "job.rollout_tp_sizes=1,1,2",
+            "scheduler.max_queue_length=16",
+        ],
+    )
     assert kept.training.max_staleness == 1
     assert launch_scheduler(kept, weights).max_queue_length == kept.scheduler.max_queue_length == 16
     assert "below the fair share" not in caplog.text
@@ -130,7 +138,8 @@ def test_a_cap_left_0_is_derived_at_launch_from_the_trajectories_in_flight_and_t
     high = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_queue_length=80))
     assert launch_scheduler(high, weights).max_queue_length == 80
     assert "max_queue_length 80 per unit of weight is so far above the fair share" in caplog.text
-    assert LibraConfig().scheduler.max_queue_length == 0  # a job derives it unless told
+    # A job derives it unless told; the embedded CPU default runs as the accelerator configs do.
+    assert LibraConfig().scheduler.max_queue_length == load_config(CONFIG, []).scheduler.max_queue_length == 0
     # Never below the original's 3, however large the pool.
     assert (
         fair_queue_length(10, 100) == 3 and fair_queue_length(96, 5) == 20 and fair_queue_length(96, 0) == 96

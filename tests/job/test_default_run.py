@@ -46,6 +46,7 @@ from libra.job.loop import GrpoJob, JobResult
 from libra.job.recorder import read_jsonl
 from libra.job.report import write_report
 from libra.logs import LOG_DIR_ENV
+from libra.scheduler import fair_queue_length
 from libra.trace import read_traces
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(1500)]
@@ -81,6 +82,7 @@ def _kill_the_tp2_instance(job: GrpoJob, run_dir: Path, killed: dict) -> None:
     pids = job.workers.fleet.pids(WorkerKind.ROLLOUT_INSTANCE)
     killed["worker"] = "rollout-0"
     killed["tp"] = job.workers.fleet.get("rollout-0").tp_size
+    killed["at"] = time.monotonic()
     os.killpg(pids["rollout-0"], signal.SIGKILL)
     # A client of the controller's gRPC API follows the job as `libra status --watch` does.
     address = (run_dir / "controller.addr").read_text().strip()
@@ -101,6 +103,19 @@ def _kill_the_tp2_instance(job: GrpoJob, run_dir: Path, killed: dict) -> None:
                 time.sleep(0.5)
 
 
+def _sample_the_routers_cap(job: GrpoJob, killed: dict) -> None:
+    """Records each new value of the router's trajectory cap (derived from the pool in service)
+    until the run ends: an instance is down for 30-60 s, far longer than the 0.1 s between looks."""
+    caps = killed.setdefault("caps", [])
+    while not killed.get("stop"):
+        instances = getattr(getattr(job, "workers", None), "instances", None)
+        if instances is not None:
+            cap = instances.pool.router.config.max_queue_length
+            if not caps or caps[-1][1] != cap:
+                caps.append((time.monotonic(), cap))
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def killed() -> dict:
     """What the killer thread did and saw."""
@@ -119,6 +134,8 @@ def result(tmp_path_factory, killed) -> JobResult:
     job = GrpoJob(config)
     killer = threading.Thread(target=_kill_the_tp2_instance, args=(job, run_dir, killed))
     killer.start()
+    sampler = threading.Thread(target=_sample_the_routers_cap, args=(job, killed))
+    sampler.start()
     # Structured logs of every process the job starts (the agent passes its environment on).
     os.environ[LOG_DIR_ENV] = str(run_dir / "logs")
     try:
@@ -127,6 +144,7 @@ def result(tmp_path_factory, killed) -> JobResult:
         del os.environ[LOG_DIR_ENV]
         killed["stop"] = True
         killer.join()
+        sampler.join()
     assert killed.get("worker") == "rollout-0", "the instance was never killed"
     assert result.version == NUM_STEPS
     write_report(run_dir)
@@ -151,6 +169,14 @@ def test_the_default_layout_mixes_tp_sizes_under_cmlfq(run_dir, killed):
     assert {i["tp"] for row in occupancy for i in row["instances"].values()} == {1, 2}
     before_kill = [r for r in occupancy if r["time_s"] <= steps[0]["time_s"]]
     assert max(r["devices"]["rollout"][1] for r in before_kill) == 3  # TP-2 + TP-1 held at launch
+    # The cap left 0 is derived from the 128 trajectories in flight (64 a step, one version ahead)
+    # over the weight in service: TP-1 weighs 1 and TP-2 2 on the CPU backend (its KV per device
+    # is fixed), so 43 at launch (it moves as the instances join), and 128 once the killed TP-2
+    # instance is out.
+    assert launch["max_queue_length"] == fair_queue_length(128, 1 + 2) == 43
+    caps = killed["caps"]
+    assert caps[0][1] == 43, caps
+    assert fair_queue_length(128, 1) in [cap for at, cap in caps if at > killed["at"]], caps
 
 
 def test_held_out_reward_and_tool_use_rise(result):

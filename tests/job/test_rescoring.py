@@ -151,7 +151,8 @@ def test_the_simulated_cluster_is_the_jobs(problem):
     assert sim.planner == problem.config
     assert sim.planner.max_decode_batch == config.rollout.instance.max_num_seqs == 64
     assert sim.planner.rollout_kv_bytes_per_device == 2**30  # the CPU backend's 1 GiB per engine
-    assert sim.cmlfq == config.scheduler and sim.cmlfq.max_queue_length == 16
+    # The cap as the config states it: left 0, each candidate's simulation derives it for its pool.
+    assert sim.cmlfq == config.scheduler and sim.cmlfq.max_queue_length == 0
     assert (sim.staleness_mode, sim.drop_budget, sim.tail_staleness) == (
         config.training.staleness_mode,
         config.training.drop_budget,
