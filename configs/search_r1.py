@@ -61,10 +61,6 @@ def config() -> LibraConfig:
             ),
             small_payload_max_tokens=500,
             medium_payload_max_tokens=5000,
-            # Derived: the fair share of the trajectories in flight per unit of the weight of the
-            # pool in service, at launch and whenever it changes (the original's 3 leaves every
-            # instance full until a step's tail).
-            max_queue_length=0,
         ),
         control=ControlConfig(port=0),
         backend=BackendConfig(name="cuda"),

@@ -32,10 +32,6 @@ def config() -> LibraConfig:
                 BucketConfig("short", tp_size=1, max_remaining_tokens=256),
                 BucketConfig("long", tp_size=2, max_remaining_tokens=4096),
             ),
-            # Derived, as on accelerators: the fair share of the trajectories in flight (here 128:
-            # 64 a step, launched one version ahead) per unit of the weight of the pool in
-            # service, at launch and whenever the pool changes.
-            max_queue_length=0,
         ),
         # Beats every 5 s (lost after 15 s of silence): a 2-core machine under a full job can starve
         # the agent for seconds.

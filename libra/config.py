@@ -51,7 +51,7 @@ class LibraConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    scheduler: CmlfqConfig = field(default_factory=lambda: CmlfqConfig(max_queue_length=0))
+    scheduler: CmlfqConfig = field(default_factory=CmlfqConfig)
     """C-MLFQ's buckets (one per rollout TP size of `job.rollout_tp_sizes`) and knobs; the
     trajectory cap derived at launch unless set."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)

@@ -27,7 +27,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Reason, check_kv, check_queue_length
+from libra.scheduler.interface import Decision, Reason, check_kv, check_queue_length, check_resolved
 from libra.scheduler.tool_state import ToolReturnState
 
 if TYPE_CHECKING:
@@ -53,8 +53,13 @@ class _Live:
 class _BaselineRouter:
     """Live trajectories, the instance pool and placement; subclasses choose buckets."""
 
+    capped = True
+    """Whether placement honours `max_queue_length` (which must then be resolved)."""
+
     def __init__(self, config: CmlfqConfig | None = None) -> None:
         self.config = config or CmlfqConfig()
+        if self.capped:
+            check_resolved(self.config, type(self).__name__)
         self._instances: dict[int, _Instance] = {}
         self._live: dict[str, _Live] = {}
 
@@ -218,6 +223,8 @@ class LeastLoadRouter(_BaselineRouter):
     """Each trajectory goes to the ready instance with the fewest live trajectories per unit of
     weight (on a homogeneous pool: the fewest)."""
 
+    capped = False
+
     def _place(self, bucket: int, previous: int | None) -> tuple[int, int | None, Reason | None]:
         chosen = self._least_loaded(None, previous, capped=False)
         if chosen is None:
@@ -227,6 +234,8 @@ class LeastLoadRouter(_BaselineRouter):
 
 class RoundRobinRouter(_BaselineRouter):
     """Homogeneous pool: trajectories go to the ready instances in turn, in id order."""
+
+    capped = False
 
     def __init__(self, config: CmlfqConfig | None = None) -> None:
         super().__init__(config)

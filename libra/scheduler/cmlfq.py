@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from libra import _native
 from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Reason, check_kv, check_queue_length
+from libra.scheduler.interface import Decision, Reason, check_kv, check_queue_length, check_resolved
 from libra.scheduler.tool_state import ToolReturnState
 
 _REASONS = tuple(Reason)
@@ -54,11 +54,7 @@ class CmlfqRouter:
 
     def __init__(self, config: CmlfqConfig | None = None) -> None:
         self.config = config or CmlfqConfig()
-        if self.config.max_queue_length == 0:
-            raise ValueError(
-                "cmlfq.max_queue_length is 0 (derived): resolve it for the pool first "
-                "(`libra.scheduler.fair_queue_length`, as the job and the simulator do)"
-            )
+        check_resolved(self.config, type(self).__name__)
         self._core = _native.CmlfqScheduler(
             bucket_thresholds=self.config.thresholds,
             max_queue_length=self.config.max_queue_length,

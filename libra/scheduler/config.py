@@ -87,14 +87,15 @@ class CmlfqConfig:
     """Completed trajectories between automatic rebuilds (which track policy drift); 0 leaves
     rebuilds to explicit `CmlfqRouter.rebuild()` calls. A rebuild runs inside the `on_finish`
     that triggers it (about 10 ms for 5,000 trajectories) and holds up concurrent callers."""
-    max_queue_length: int = 3
+    max_queue_length: int = 0
     """Live trajectories per unit of instance weight beyond which an instance takes no more while
     another bucket has room (placement then falls back; see `Reason`); it also sets when the pool
-    drains (`draining_fraction`). 0: derived where the pool is known (`fair_queue_length`), by
-    the job and the simulator at launch and again whenever the pool changes (`FairQueueLength`):
-    with the original's 3 and hundreds of trajectories in flight every instance is full until a
-    step's tail, so C-MLFQ moves nobody before it (`Reason.TARGET_FULL_STAY`) and admission is
-    least-load's. A router needs it resolved."""
+    drains (`draining_fraction`). 0 (the default): derived where the pool is known
+    (`fair_queue_length`), by the job and the simulator at launch and again whenever the pool
+    changes (`FairQueueLength`). Not the original's 3: with hundreds of trajectories in flight
+    every instance is then full until a step's tail, so C-MLFQ moves nobody before it
+    (`Reason.TARGET_FULL_STAY`) and admission is least-load's. A router that caps its placements
+    needs it resolved (ValueError)."""
     kv_full_fraction: float = 0.85
     """An instance whose engine reports its KV (`Router.set_instance_kv`) also has no room once
     that share of its KV tokens is in use, whatever its trajectory count: on long contexts a small

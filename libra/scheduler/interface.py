@@ -177,6 +177,16 @@ def check_kv(instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
     )
 
 
+def check_resolved(config: CmlfqConfig, router: str) -> None:
+    """ValueError for a router that caps its placements built on a cap left 0 (derived): the
+    owner of the pool resolves it first."""
+    if config.max_queue_length == 0:
+        raise ValueError(
+            f"{router}: cmlfq.max_queue_length is 0 (derived): resolve it for the pool first "
+            "(`libra.scheduler.fair_queue_length`, as the job and the simulator do)"
+        )
+
+
 def check_queue_length(max_queue_length: int) -> None:
     """ValueError unless a cap set at run time (`Router.set_max_queue_length`) is in 1..2**31-1
     (0, "derived", is for configs: a router runs with a resolved cap)."""

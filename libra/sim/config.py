@@ -295,10 +295,10 @@ class SimConfig:
     """The planner re-scores its candidate plans -- its optimum and the best pool of each TP
     size -- by simulating each for this many steps on the workload as it is (`libra.sim.rescoring`),
     at the initial plan and at every re-plan its model would apply; 0: its cost model decides alone."""
-    cmlfq: CmlfqConfig = field(default_factory=lambda: CmlfqConfig(max_queue_length=0))
+    cmlfq: CmlfqConfig = field(default_factory=CmlfqConfig)
     """C-MLFQ's settings (`scheduler.*` in the job: demotion, the KV share counted full, the
     draining share, the cap, the P90 window, rebuilds); its buckets are the simulated layout's.
-    Its `max_queue_length` 0 (the default here, as in the job) is derived for the launch pool and
+    Its `max_queue_length` 0 (the default) is derived for the launch pool and
     again whenever a plan changes the pool, as the job derives it (`FairQueueLength`); the
     baselines that cap their placements take the same cap."""
     cmlfq_price_moves: bool = True

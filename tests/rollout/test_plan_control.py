@@ -32,7 +32,7 @@ class SpyRouter(CmlfqRouter):
     """The real router, recording the losses it is told of (a planned cut must be none)."""
 
     def __init__(self) -> None:
-        super().__init__(CmlfqConfig())
+        super().__init__(CmlfqConfig(max_queue_length=3))
         self.losses: list[int] = []
 
     def on_instance_lost(self, instance_id: int) -> list[str]:

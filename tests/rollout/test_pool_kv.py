@@ -8,8 +8,8 @@ from tests.rollout.conftest import TOKEN
 
 
 def test_kv_usage_reaches_the_router_in_parts_per_10000_while_the_instance_serves() -> None:
-    router = CmlfqRouter(CmlfqConfig())
-    pool = InstancePool(router, TOKEN, CmlfqConfig())
+    router = CmlfqRouter(CmlfqConfig(max_queue_length=3))
+    pool = InstancePool(router, TOKEN, router.config)
     for instance_id in (0, 1):
         router.add_instance(instance_id, 0)
         # Stats come from the instance's client; the report itself needs only the pool's record.

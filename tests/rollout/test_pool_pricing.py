@@ -23,7 +23,7 @@ def test_bucket_changes_carry_the_planners_speeds() -> None:
     assert priced == with_speeds(buckets, cost, problem.history)  # uncalibrated: the model's factors
     assert all(b.speed is not None for b in priced)
 
-    config = CmlfqConfig(buckets=buckets)
+    config = CmlfqConfig(buckets=buckets, max_queue_length=3)
     router = CmlfqRouter(config)
     pool = InstancePool(router, TOKEN, config, price_buckets=planner.priced_buckets)
     for instance_id, bucket in ((0, 0), (1, 1)):
@@ -44,7 +44,7 @@ def test_reprice_follows_the_planners_history() -> None:
     problem = random_problem(1)
     planner = Planner(problem)
     buckets = planner.priced_buckets((BucketConfig("tp1", 1, 1000), BucketConfig("tp2", 2, 2**31 - 1)))
-    config = CmlfqConfig(buckets=buckets)
+    config = CmlfqConfig(buckets=buckets, max_queue_length=3)
     router = CmlfqRouter(config)
     pool = InstancePool(router, TOKEN, config, price_buckets=planner.priced_buckets)
     router.add_instance(0, 0)

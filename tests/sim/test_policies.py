@@ -125,7 +125,7 @@ def test_homogeneous_least_load_never_migrates(comparison):
 def test_length_mlfq_promotes_once_generated_tokens_pass_the_threshold():
     config = tiny_config()
     cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS)
-    cmlfq = CmlfqConfig(buckets=(BucketConfig("s", 1, 100), BucketConfig("l", 2, 10_000)))
+    cmlfq = CmlfqConfig(buckets=(BucketConfig("s", 1, 100), BucketConfig("l", 2, 10_000)), max_queue_length=3)
     cluster = RolloutCluster(LengthMlfqRouter(cmlfq), cmlfq, cost, max_batch=8)
     small = cluster.add_instance("s", 1, 0, (0,), 0.0)
     large = cluster.add_instance("l", 2, 1, (2, 3), 0.0)
