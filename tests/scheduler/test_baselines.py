@@ -40,6 +40,34 @@ def test_every_policy_is_a_router(policy) -> None:
     assert isinstance(policy(CONFIG), Router)
 
 
+@pytest.mark.parametrize(
+    ("policy", "caps"),
+    [
+        (CmlfqRouter, True),
+        (LengthMlfqRouter, True),
+        (lambda c: OracleRouter({}, c), True),
+        (LeastLoadRouter, False),
+        (RoundRobinRouter, False),
+    ],
+)
+def test_a_router_that_caps_its_placements_refuses_an_unresolved_cap(policy, caps) -> None:
+    """`max_queue_length` 0 (the config default: derived) must be resolved for the pool first
+    where placement honours it; least-load and round-robin never look at it. Every router takes a
+    new cap at run time (`set_max_queue_length`), never 0."""
+    unresolved = CmlfqConfig(buckets=CONFIG.buckets)
+    assert unresolved.max_queue_length == 0
+    if caps:
+        with pytest.raises(ValueError, match="max_queue_length is 0"):
+            policy(unresolved)
+    else:
+        policy(unresolved)
+    router = policy(CONFIG)
+    router.set_max_queue_length(7)
+    assert router.config.max_queue_length == 7
+    with pytest.raises(ValueError, match="max_queue_length must be in 1"):
+        router.set_max_queue_length(0)
+
+
 @pytest.mark.parametrize("policy", [LeastLoadRouter, RoundRobinRouter, LengthMlfqRouter])
 def test_baselines_record_kv_reports_but_place_as_before(policy) -> None:
     router = with_instances(policy(CONFIG), (0, 0))
