@@ -53,7 +53,7 @@ class LibraConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     scheduler: CmlfqConfig = field(default_factory=CmlfqConfig)
     """C-MLFQ's buckets (one per rollout TP size of `job.rollout_tp_sizes`) and knobs; the
-    trajectory cap derived at launch unless set."""
+    trajectory cap, unless set, derived at launch and again whenever the pool in service changes."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     tasks: TasksConfig = field(default_factory=TasksConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)

@@ -116,7 +116,7 @@ class Scheduler {
   Decision move_to(Trajectory& trajectory, uint32_t bucket, Reason reason);
   void release(const TrajectoryId& id, Trajectory& trajectory);
 
-  const Config config_;
+  const Config config_;  // its max_queue_length is the launch cap: instances_ holds the current one
   std::vector<int64_t> thresholds_;  // config_'s until update_buckets replaces them
   std::vector<BucketSpeed> speeds_;  // likewise
   mutable std::mutex mutex_;

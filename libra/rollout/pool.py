@@ -90,7 +90,8 @@ class InstancePool:
             else None
         )
         """The router's cap, derived again from the pool's weight whenever an instance joins or
-        leaves service (`FairQueueLength`); None: the config's cap (set by hand) is kept."""
+        leaves service, or is drained (`FairQueueLength`); None: the config's cap (set by hand)
+        is kept."""
         self._control = control
         self._instances: dict[int, PooledInstance] = {}
         self._removed: dict[int, PooledInstance] = {}
@@ -199,6 +200,7 @@ class InstancePool:
         pooled = self._in_service(instance_id, "drain")
         pooled.withdrawn = True
         self.router.set_instance_ready(instance_id, False)
+        self._fit_queue_length()
 
     def cut(self, instance_id: int, reason: str) -> list[str]:
         """Takes the instance out of service now, as planned: the router forgets it
@@ -237,10 +239,10 @@ class InstancePool:
             await old.close()
             pooled.lost, pooled.lost_reason = False, ""
             self.router.add_instance(instance_id, pooled.bucket, weight=pooled.weight)
-            self._fit_queue_length()
         else:
             self.router.set_instance_ready(instance_id, True)
         pooled.withdrawn = False
+        self._fit_queue_length()
         self._announce_change()
         if pooled.worker_id in self._ended_workers:  # it ended while withdrawn: now that is a loss
             self.mark_lost(instance_id, self._ended_workers[pooled.worker_id])
@@ -300,9 +302,11 @@ class InstancePool:
         return pooled
 
     def _fit_queue_length(self) -> None:
+        """The derived cap for the instances that take trajectories: not lost, not withdrawn (a
+        drained one is leaving, and takes no new ones)."""
         if self._queue_length is None:
             return
-        weight = sum(p.weight for p in self._instances.values() if not p.lost)
+        weight = sum(p.weight for p in self._instances.values() if not (p.lost or p.withdrawn))
         cap = self._queue_length.follow(weight)
         if cap is not None:
             logger.info(

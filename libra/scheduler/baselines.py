@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Reason, check_kv, check_queue_length, check_resolved
+from libra.scheduler.config import BucketConfig, CmlfqConfig, check_queue_length, check_resolved
+from libra.scheduler.interface import Decision, Reason, check_kv
 from libra.scheduler.tool_state import ToolReturnState
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from libra import _native
-from libra.scheduler.config import BucketConfig, CmlfqConfig
-from libra.scheduler.interface import Decision, Reason, check_kv, check_queue_length, check_resolved
+from libra.scheduler.config import BucketConfig, CmlfqConfig, check_queue_length, check_resolved
+from libra.scheduler.interface import Decision, Reason, check_kv
 from libra.scheduler.tool_state import ToolReturnState
 
 _REASONS = tuple(Reason)

@@ -195,3 +195,20 @@ def fair_queue_length(in_flight: int, total_weight: int) -> int:
     ones idle (weights scale it). `CmlfqConfig.fair_share_headroom` bounds each instance by what
     the pool holds now, below this."""
     return max(3, math.ceil(in_flight / max(1, total_weight)))
+
+
+def check_resolved(config: CmlfqConfig, router: str) -> None:
+    """ValueError for a router that caps its placements built on a cap left 0 (derived): the
+    owner of the pool resolves it first."""
+    if config.max_queue_length == 0:
+        raise ValueError(
+            f"{router}: cmlfq.max_queue_length is 0 (derived): resolve it for the pool first "
+            "(`libra.scheduler.fair_queue_length`, as the job and the simulator do)"
+        )
+
+
+def check_queue_length(max_queue_length: int) -> None:
+    """ValueError unless a cap set at run time (`Router.set_max_queue_length`) is in 1..2**31-1
+    (0, "derived", is for configs: a router runs with a resolved cap)."""
+    if not 1 <= max_queue_length <= _MAX_TOKENS:
+        raise ValueError(f"max_queue_length must be in 1..{_MAX_TOKENS}, got {max_queue_length}")

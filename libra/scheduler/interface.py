@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from libra.scheduler.config import _MAX_TOKENS, BucketConfig, CmlfqConfig, fair_queue_length
+from libra.scheduler.config import BucketConfig, CmlfqConfig, fair_queue_length
 from libra.scheduler.tool_state import ToolReturnState
 
 
@@ -177,23 +177,6 @@ def check_kv(instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
     )
 
 
-def check_resolved(config: CmlfqConfig, router: str) -> None:
-    """ValueError for a router that caps its placements built on a cap left 0 (derived): the
-    owner of the pool resolves it first."""
-    if config.max_queue_length == 0:
-        raise ValueError(
-            f"{router}: cmlfq.max_queue_length is 0 (derived): resolve it for the pool first "
-            "(`libra.scheduler.fair_queue_length`, as the job and the simulator do)"
-        )
-
-
-def check_queue_length(max_queue_length: int) -> None:
-    """ValueError unless a cap set at run time (`Router.set_max_queue_length`) is in 1..2**31-1
-    (0, "derived", is for configs: a router runs with a resolved cap)."""
-    if not 1 <= max_queue_length <= _MAX_TOKENS:
-        raise ValueError(f"max_queue_length must be in 1..{_MAX_TOKENS}, got {max_queue_length}")
-
-
 class FairQueueLength:
     """A derived cap (`CmlfqConfig.max_queue_length` left 0) kept derived as the pool changes: the
     fair share (`fair_queue_length`) of the `in_flight` trajectories per unit of the weight of
@@ -203,6 +186,8 @@ class FairQueueLength:
     moves nobody), and the pool always draining after one grows it (the fair-share bound off)."""
 
     def __init__(self, router: Router, in_flight: int, max_queue_length: int) -> None:
+        """`max_queue_length`: the router's cap now (its config's); from then on only `follow`
+        sets it."""
         if in_flight < 1:
             raise ValueError(f"trajectories in flight must be >= 1, got {in_flight}")
         self.router = router

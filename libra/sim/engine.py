@@ -82,8 +82,9 @@ class RolloutCluster:
             if trajectories_in_flight
             else None
         )
-        """The router's cap, derived again from the pool's weight whenever an instance joins or
-        leaves (`FairQueueLength`); None: `cmlfq_config`'s is kept."""
+        """The router's cap, derived again from the pool's weight whenever an instance starts
+        serving or leaves (`FairQueueLength`); None: `cmlfq_config`'s is kept (the cap of
+        `cmlfq_config` is the launch value either way: the router holds the current one)."""
         self.cmlfq_config = cmlfq_config
         self.cost = cost
         self.max_batch = max_batch
@@ -173,6 +174,7 @@ class RolloutCluster:
         ready = [i for i in self.instances.values() if i.ready_at <= self.now]
         for each in ready:
             self.router.set_instance_ready(each.instance_id, True)
+        self._fit_queue_length()
         self.reroute_unplaced()
         for each in ready:
             self._reschedule(each)
@@ -201,8 +203,11 @@ class RolloutCluster:
         self.reroute_unplaced()
 
     def _fit_queue_length(self) -> None:
+        """The derived cap for the instances that serve: one still loading joins the job's pool
+        only once it serves, and counts from then on here too."""
         if self._queue_length is not None:
-            self._queue_length.follow(sum(self.cost.router_weight(i.tp) for i in self.instances.values()))
+            ready = (i for i in self.instances.values() if i.ready_at <= self.now)
+            self._queue_length.follow(sum(self.cost.router_weight(i.tp) for i in ready))
 
     def update_buckets(self, buckets: SequenceOf[BucketConfig], instance_buckets: Mapping[int, int]) -> int:
         """A re-plan changed the buckets (`Router.update_buckets`). The router decides every live

@@ -176,6 +176,7 @@ def test_the_default_layout_mixes_tp_sizes_under_cmlfq(run_dir, killed):
     assert launch["max_queue_length"] == fair_queue_length(128, 1 + 2) == 43
     caps = killed["caps"]
     assert caps[0][1] == 43, caps
+    assert [cap for at, cap in caps if at <= killed["at"]][-1] == 43, caps  # both instances joined
     assert fair_queue_length(128, 1) in [cap for at, cap in caps if at > killed["at"]], caps
 
 

@@ -40,8 +40,8 @@ def test_instances_join_the_router_with_their_weight_and_keep_it_when_restored()
 
 def test_a_derived_cap_follows_the_instances_in_service() -> None:
     """Given the trajectories in flight (the config's cap left 0, resolved at launch), the pool
-    derives the router's cap again whenever an instance joins, is cut, restored or lost: the fair
-    share per unit of the weight in service (`fair_queue_length`)."""
+    derives the router's cap again whenever an instance joins, is cut, drained, restored or lost:
+    the fair share per unit of the weight in service (`fair_queue_length`)."""
 
     async def main() -> None:
         served = [await serve_fake(ScriptedInstance([[1]], tool_call_end_id=2)) for _ in range(3)]
@@ -59,6 +59,10 @@ def test_a_derived_cap_follows_the_instances_in_service() -> None:
                 caps.append(router.config.max_queue_length)
             assert caps == [70, 35, 10]  # weights 1, 2, 7
             pool.cut(2, "a plan takes it")
+            assert router.config.max_queue_length == 35
+            await pool.restore(2)
+            assert router.config.max_queue_length == 10
+            pool.drain(2)  # leaving: it takes no new trajectories, and does not count
             assert router.config.max_queue_length == 35
             await pool.restore(2)
             assert router.config.max_queue_length == 10

@@ -64,6 +64,12 @@ def test_a_router_that_caps_its_placements_refuses_an_unresolved_cap(policy, cap
     router = policy(CONFIG)
     router.set_max_queue_length(7)
     assert router.config.max_queue_length == 7
+    if policy in (CmlfqRouter, LengthMlfqRouter):  # placement honours the new cap
+        router = with_instances(policy(CONFIG))
+        router.set_max_queue_length(1)
+        first, second = router.admit("t0", "p"), router.admit("t1", "p")
+        assert (first.instance_id, first.reason) == (0, Reason.ADMITTED)
+        assert (second.instance_id, second.reason) == (1, Reason.BUCKET_SATURATED_FALLBACK)
     with pytest.raises(ValueError, match="max_queue_length must be in 1"):
         router.set_max_queue_length(0)
 

@@ -456,7 +456,12 @@ def test_a_derived_cap_follows_the_pool_as_instances_join_and_leave():
     first = cluster.add_instance("i0", 1, 0, (0,), ready_at=0.0)
     assert router.config.max_queue_length == -(-120 // w1)
     cluster.add_instance("i1", 1, 0, (1,), ready_at=0.0)
-    cluster.add_instance("i2", 2, 1, (2, 3), ready_at=5.0)  # loading: it will serve, it counts
+    assert router.config.max_queue_length == max(3, -(-120 // (2 * w1)))
+    # One still loading counts once it serves (the job's pool adds it only then).
+    cluster.add_instance("i2", 2, 1, (2, 3), ready_at=5.0)
+    assert router.config.max_queue_length == max(3, -(-120 // (2 * w1)))
+    cluster.run_until(lambda: False)
+    assert cluster.now == 5.0
     assert router.config.max_queue_length == max(3, -(-120 // (2 * w1 + w2)))
     cluster.remove_instance(first.instance_id)
     assert router.config.max_queue_length == max(3, -(-120 // (w1 + w2)))
