@@ -111,6 +111,7 @@ class RolloutCluster:
         """The policy version rollout instances serve (turns take it when they start)."""
         self.on_finish: Callable[[LiveTrajectory], None] = lambda traj: None
         self._coefficients: dict[int, StepCoefficients] = {}
+        self._weights: dict[int, int] = {}
         self.num_migrations = 0
         self.num_turns = 0
         self.migration_s = 0.0
@@ -140,6 +141,13 @@ class RolloutCluster:
             self._coefficients[tp] = StepCoefficients.of(self.cost, tp)
         return self._coefficients[tp]
 
+    def weight(self, tp: int) -> int:
+        """A TP-tp instance's router weight (`RolloutCostModel.router_weight`), once per size:
+        the derived cap sums the pool's at every change of it."""
+        if tp not in self._weights:
+            self._weights[tp] = self.cost.router_weight(tp)
+        return self._weights[tp]
+
     def add_instance(
         self, name: str, tp: int, bucket: int, devices: tuple[int, ...], ready_at: float
     ) -> Instance:
@@ -158,7 +166,7 @@ class RolloutCluster:
         self._next_instance += 1
         self.instances[inst.instance_id] = inst
         ready = ready_at <= self.now
-        self.router.add_instance(inst.instance_id, bucket, ready=ready, weight=self.cost.router_weight(tp))
+        self.router.add_instance(inst.instance_id, bucket, ready=ready, weight=self.weight(tp))
         self._fit_queue_length()
         if ready:
             self.reroute_unplaced()  # those an earlier removal left waiting
@@ -207,7 +215,7 @@ class RolloutCluster:
         only once it serves, and counts from then on here too."""
         if self._queue_length is not None:
             ready = (i for i in self.instances.values() if i.ready_at <= self.now)
-            self._queue_length.follow(sum(self.cost.router_weight(i.tp) for i in ready))
+            self._queue_length.follow(sum(self.weight(i.tp) for i in ready))
 
     def update_buckets(self, buckets: SequenceOf[BucketConfig], instance_buckets: Mapping[int, int]) -> int:
         """A re-plan changed the buckets (`Router.update_buckets`). The router decides every live
