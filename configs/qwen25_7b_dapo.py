@@ -75,13 +75,15 @@ def config() -> LibraConfig:
         rollout=RolloutConfig(
             # Prompts up to 2K tokens (DAPO's max prompt length) plus 16K of response.
             # The accelerator engine as the backend sets it, stated: graphs for the long tail's
-            # small-batch decode, 90 % of each device (rollout devices hold no train rank).
+            # small-batch decode, 90 % of each device (rollout devices hold no train rank), chunked
+            # prefills.
             instance=InstanceConfig(
                 dtype="bfloat16",
                 max_model_len=18432,
                 max_num_seqs=256,
                 enforce_eager=False,
                 gpu_memory_utilization=0.9,
+                chunked_prefill=True,
             ),
             # Up to 8 assistant turns with code execution (verl's ReTool recipe).
             agent=AgentLoopConfig(

@@ -76,13 +76,15 @@ def config() -> LibraConfig:
         planner=PlannerConfig(policy=TriggerPolicy(plan_interval=5)),
         rollout=RolloutConfig(
             # The accelerator engine as the backend sets it, stated: graphs for the long tail's
-            # small-batch decode, 90 % of each device (rollout devices hold no train rank).
+            # small-batch decode, 90 % of each device (rollout devices hold no train rank), chunked
+            # prefills.
             instance=InstanceConfig(
                 dtype="bfloat16",
                 max_model_len=32768,
                 max_num_seqs=128,
                 enforce_eager=False,
                 gpu_memory_utilization=0.9,
+                chunked_prefill=True,
             ),
             agent=AgentLoopConfig(
                 max_turns=12,

@@ -68,13 +68,15 @@ def config() -> LibraConfig:
         rollout=RolloutConfig(
             # The original's 40,960-token context (all of Qwen3's positions).
             # The accelerator engine as the backend sets it, stated: graphs for the long tail's
-            # small-batch decode, 90 % of each device (rollout devices hold no train rank).
+            # small-batch decode, 90 % of each device (rollout devices hold no train rank), chunked
+            # prefills.
             instance=InstanceConfig(
                 dtype="bfloat16",
                 max_model_len=40960,
                 max_num_seqs=128,
                 enforce_eager=False,
                 gpu_memory_utilization=0.9,
+                chunked_prefill=True,
             ),
             # Many short turns: a search, three passages back, and so on, then a short answer.
             agent=AgentLoopConfig(

@@ -72,6 +72,10 @@ class Trajectory:
     outcome_reason: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     """Task fields needed to score it (e.g. ground truth id); never used for training."""
+    sampling_seed: int | None = None
+    """None: fresh random numbers (a group's samples must differ to be compared). Set (the
+    held-out evaluation): each generation call is seeded by it and the position it starts at, so
+    the same seed draws the same numbers at the same place on any instance, in any batch."""
 
     def append(self, token_ids: list[int], logprobs: list[float] | None, policy_version: int) -> None:
         """Appends model tokens (with `logprobs`) or, with `logprobs=None`, tool/template tokens."""

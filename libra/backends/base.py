@@ -69,6 +69,11 @@ class EngineDefaults:
     gpu_memory_utilization: float | None
     """Share of the device's memory the engine may take (weights, activations, KV cache); None
     where it does not apply (the CPU)."""
+    chunked_prefill: bool
+    """Prefills split over engine steps (vLLM's default). Off on the CPU: a split prefill samples
+    a token that vLLM discards and then rewinds the request's generator, which a seeded request
+    (the held-out evaluation's, an agent's OpenAI `seed`) has, and torch's CPU generator cannot
+    rewind: the engine died ("CPU Generator does not use offset")."""
 
 
 @dataclass(frozen=True)

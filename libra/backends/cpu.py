@@ -46,7 +46,9 @@ class CpuBackend:
     distributed_backend = "gloo"
     # No compile (30-60 s of start-up for ~5 %); 1 GiB of KV (without a size vLLM reserves 92 %
     # of RAM).
-    engine_defaults = EngineDefaults(enforce_eager=True, kv_cache_gib=1, gpu_memory_utilization=None)
+    engine_defaults = EngineDefaults(
+        enforce_eager=True, kv_cache_gib=1, gpu_memory_utilization=None, chunked_prefill=False
+    )
 
     def __init__(self, num_devices: int | None = None, cores_per_device: int | None = None):
         """`num_devices`: number of slots (default: one per available core).

@@ -26,7 +26,8 @@ def run(ctx: CheckContext) -> CheckResult:
     defaults = backend.engine_defaults
     engine = (
         f"enforce_eager={defaults.enforce_eager}, "
-        f"kv_cache_gib={defaults.kv_cache_gib}, gpu_memory_utilization={defaults.gpu_memory_utilization}"
+        f"kv_cache_gib={defaults.kv_cache_gib}, gpu_memory_utilization={defaults.gpu_memory_utilization}, "
+        f"chunked_prefill={defaults.chunked_prefill}"
     )
     values.update(profile=profile, engine_defaults=engine)
     return CheckResult(NAME, True, f"{found}, profile {profile}, engine {engine}", values)

@@ -302,7 +302,7 @@ class GrpoJob:
         self.recorder.event(JobEvent.TRAINING_LOST, message, lost=lost, checkpoint=str(checkpoint))
         return TrainingLost(message)
 
-    def _group_rollout(self, group_size: int) -> GroupRollout:
+    def _group_rollout(self, group_size: int, seed: int | None = None) -> GroupRollout:
         return GroupRollout(
             self.workers.agent_loop,
             self.workers.source.chat,
@@ -312,19 +312,21 @@ class GrpoJob:
             reward_function=self.config.tasks.reward_function,
             environment=self.config.tasks.environment,
             agent=self.workers.agent_runner,
+            seed=seed,
         )
 
     async def _evaluate(self, when: str) -> None:
         """Rolls the held-out tasks out with the current weights and records their reward; none
         of these trajectories is trained on. Their groups and prompt ids are negative, apart from
-        the training prompts' in the router's prefix trees."""
+        the training prompts' in the router's prefix trees. Each (task, sample) is seeded by
+        `job.seed`: the evaluations before and after training draw the same random numbers."""
         tasks = self.workers.source.eval_tasks[: self.job.eval_tasks]
         if not tasks:
             return
         print(
             f"[libra] held-out evaluation ({when}): {len(tasks)} tasks x {self.job.eval_samples}", flush=True
         )
-        rollout = self._group_rollout(self.job.eval_samples)
+        rollout = self._group_rollout(self.job.eval_samples, seed=self.job.seed)
         groups = await asyncio.gather(
             *(rollout.run(Group(-i, -i, self.gate.version), task) for i, task in enumerate(tasks, start=1))
         )
@@ -345,7 +347,7 @@ class GrpoJob:
             num_compared_tokens=gap.num_tokens,
         )
         self.evaluations.append(result)
-        self.recorder.evaluation(result)
+        self.recorder.evaluation(result, groups)
 
     def _launch_groups(self) -> None:
         """Starts groups while the gate allows a whole group."""

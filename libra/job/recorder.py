@@ -162,8 +162,16 @@ class ClusterSample:
     while its instance has requests in flight, a core train rank's while a train step runs."""
 
 
-RECORD_FILES = ("metrics", "trajectories", "samples", "occupancy", "events", "evaluations")
-REWOUND_FILES = ("metrics", "trajectories", "samples", "evaluations")
+RECORD_FILES = (
+    "metrics",
+    "trajectories",
+    "samples",
+    "occupancy",
+    "events",
+    "evaluations",
+    "evaluation_samples",
+)
+REWOUND_FILES = ("metrics", "trajectories", "samples", "evaluations", "evaluation_samples")
 """What a resumed run records again from its checkpoint on."""
 
 
@@ -251,8 +259,25 @@ class RunRecorder:
         scalars = {f"job/{name}": value for name, value in asdict(metrics).items() if name != "step"}
         self._track(scalars, metrics.step)
 
-    def evaluation(self, result: HeldOutEvaluation) -> None:
+    def evaluation(self, result: HeldOutEvaluation, groups: Sequence[Group]) -> None:
+        """The evaluation's summary, and a row per trajectory: which (task, sample) the policy
+        solves at this version (the seeded samples before and after pair up)."""
         self._write("evaluations", asdict(result))
+        for group in groups:
+            for sample, trajectory in enumerate(group.trajectories):
+                self._write(
+                    "evaluation_samples",
+                    {
+                        "when": result.when,
+                        "version": result.version,
+                        "task": -group.task_index - 1,
+                        "sample": sample,
+                        "reward": trajectory.reward,
+                        "tool_use": bool(trajectory.tool_returns),
+                        "outcome": trajectory.outcome.value,
+                        "generated_tokens": trajectory.num_generated_tokens,
+                    },
+                )
         self._publish(
             f"held-out {result.when} (version {result.version}): reward {result.mean_reward:.3f}, "
             f"tool use {result.tool_use_rate:.2f} over {result.num_tasks} x {result.samples_per_task}"

@@ -4,6 +4,8 @@ rebuilt for any run folder, finished or not (`write_report(run_dir)`)."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 from libra.job.recorder import JobEvent, read_jsonl
@@ -32,6 +34,7 @@ def write_report(run_dir: str | Path) -> Path:
     occupancy = read_jsonl(run_dir / "occupancy.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
     evaluations = read_jsonl(run_dir / "evaluations.jsonl")
+    evaluation_samples = read_jsonl(run_dir / "evaluation_samples.jsonl")
     samples = read_jsonl(run_dir / "samples.jsonl")
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
@@ -94,6 +97,7 @@ def write_report(run_dir: str | Path) -> Path:
             f"tool use {e['tool_use_rate']:.2f}{_eval_gap(e)}"
             for e in evaluations
         ],
+        *_paired_gain_lines(evaluation_samples),
         f"- wall time: {steps[-1]['time_s'] if steps else 0:.0f} s",
         _trained_line(steps),
         f"- mean rollout throughput: {_mean([s['rollout_tokens_per_s'] for s in steps]):.0f} tokens/s "
@@ -169,6 +173,24 @@ def _gap_line(steps: list[dict]) -> str:
         f"mean {_mean([s['logprob_abs_diff'] for s in measured]):.1e}, "
         f"max {max(s['logprob_max_abs_diff'] for s in measured):.1e}"
     )
+
+
+def _paired_gain_lines(rows: list[dict]) -> list[str]:
+    """The held-out reward's gain over the (task, sample) pairs evaluated before and after, with
+    the standard error of their mean difference: the samples are seeded, so that a pair differs
+    by what training changed rather than by the draw (a tighter error than two independent
+    evaluations'). Nothing without both evaluations."""
+    before = {(r["task"], r["sample"]): r["reward"] for r in rows if r["when"] == "before"}
+    after = {(r["task"], r["sample"]): r["reward"] for r in rows if r["when"] == "after"}
+    diffs = [after[key] - before[key] for key in sorted(before.keys() & after.keys())]
+    if len(diffs) < 2:
+        return []
+    error = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return [
+        f"- held-out reward gain, paired (the same seeded samples before and after): "
+        f"{statistics.fmean(diffs):+.3f} ± {error:.3f} (one standard error over {len(diffs)} samples); "
+        f"{sum(d > 0 for d in diffs)} samples gained, {sum(d < 0 for d in diffs)} lost"
+    ]
 
 
 def _trained_line(steps: list[dict]) -> str:

@@ -28,6 +28,7 @@ from libra.rollout.environment import Episode, load_environment
 from libra.rollout.tools.base import Tool, ToolResult
 from libra.rollout.tools.config import ToolsConfig
 from libra.rollout.tools.sandbox import SandboxPool
+from libra.rollout.types import derive_seed
 from libra.tasks.config import TasksConfig
 from libra.tasks.datasets import TaskRecord, TaskType, load_tasks
 from libra.tasks.rewards import RewardInput, call_reward_function, compute_reward, load_reward_function
@@ -133,6 +134,7 @@ class GroupRollout:
         reward_function: str = "",
         environment: str = "",
         agent: AgentRunner | None = None,
+        seed: int | None = None,
     ):
         self.loop = loop
         self.chat = chat
@@ -147,6 +149,11 @@ class GroupRollout:
         """The user's environment class (`tasks.environment`) answering turns instead of the tools."""
         self.agent = agent
         """The user's agent (`endpoint.agent`), run in place of the built-in loop."""
+        self.seed = seed
+        """Set (the held-out evaluation's): the built-in loop's trajectory for (task, slot) samples
+        with its own seed, so that rolling the same tasks out twice (before and after training)
+        draws the same random numbers: a paired comparison, and reproducible from run to run.
+        None (training): fresh numbers."""
 
     async def run(self, group: Group, task: TaskRecord) -> Group:
         import asyncio
@@ -174,7 +181,10 @@ class GroupRollout:
         )
         if self.agent is not None:
             return await self._agent_session(task, trajectory_id, prompt_id, group_id)
-        return [await self._one(task, Trajectory(trajectory_id, prompt_id, group_id, list(prompt)))]
+        trajectory = Trajectory(trajectory_id, prompt_id, group_id, list(prompt))
+        if self.seed is not None:
+            trajectory.sampling_seed = derive_seed(self.seed, group.task_index, slot)
+        return [await self._one(task, trajectory)]
 
     async def _agent_session(
         self, task: TaskRecord, session_id: str, prompt_id: str, group_id: str

@@ -37,7 +37,7 @@ from libra.rollout.config import AgentLoopConfig
 from libra.rollout.environment import EnvironmentFailed, Episode
 from libra.rollout.pool import InstancePool
 from libra.rollout.tools.base import Tool, ToolResult
-from libra.rollout.types import FinishReason, SamplingSpec, Segment
+from libra.rollout.types import FinishReason, SamplingSpec, Segment, derive_seed
 from libra.scheduler.config import CmlfqConfig
 from libra.scheduler.tool_state import ToolReturnState
 from libra.trajectory import Outcome, ToolReturn, ToolStatus, Trajectory
@@ -262,6 +262,11 @@ class AgentLoop:
             )
         turn_left = sampling.max_tokens - (len(trajectory.response_token_ids) - turn_start)
         sampling = dataclasses.replace(sampling, max_tokens=min(budget, room, turn_left))
+        if trajectory.sampling_seed is not None:
+            # By position, not by call: a call resumed mid-turn must not replay the numbers
+            # its first part drew.
+            position = len(trajectory.response_token_ids)
+            sampling = dataclasses.replace(sampling, seed=derive_seed(trajectory.sampling_seed, position))
         request_id = f"{trajectory.trajectory_id}.{next(self._request_seq)}"
         try:
             segment = await pooled.client.generate(

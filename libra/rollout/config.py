@@ -37,6 +37,9 @@ class InstanceConfig:
     """Requests the engine batches at once."""
     enforce_eager: bool | None = None
     """No graphs or torch.compile. Default: the backend's (eager on the CPU, graphs on accelerators)."""
+    chunked_prefill: bool | None = None
+    """Prefills split over engine steps. Default: the backend's (off on the CPU, where a seeded
+    request's split prefill kills vLLM's engine; on on accelerators)."""
     seed: int = 0
     stats_window_s: float = 5.0
     """Window over which Stats reports generated tokens per second."""
@@ -83,8 +86,10 @@ class InstanceConfig:
     @property
     def engine_settings_decided(self) -> bool:
         """Whether every engine setting is decided (`for_backend`), as an engine needs."""
-        return self.enforce_eager is not None and (
-            self.kv_cache_gib is not None or self.gpu_memory_utilization is not None
+        return (
+            self.enforce_eager is not None
+            and self.chunked_prefill is not None
+            and (self.kv_cache_gib is not None or self.gpu_memory_utilization is not None)
         )
 
 
@@ -121,8 +126,10 @@ class AgentLoopConfig:
         for name in ("max_turns", "max_response_tokens", "max_tokens_per_turn", "max_tool_result_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.agent.{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.agent.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= 2:
+            raise ValueError(
+                f"rollout.agent.temperature must be in [0, 2] (vLLM's range), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.agent.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

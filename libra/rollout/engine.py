@@ -92,6 +92,7 @@ def engine_kwargs(config: InstanceConfig) -> dict[str, object]:
         tensor_parallel_size=config.tensor_parallel_size,
         max_num_seqs=config.max_num_seqs,
         enforce_eager=config.enforce_eager,
+        enable_chunked_prefill=config.chunked_prefill,
         seed=config.seed,
         disable_log_stats=False,
         worker_extension_cls=WORKER_EXTENSION,
@@ -101,6 +102,13 @@ def engine_kwargs(config: InstanceConfig) -> dict[str, object]:
     )
     if config.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if not config.chunked_prefill:
+        from vllm.config import SchedulerConfig
+
+        # Whole prefills: a step's token budget must hold the longest prompt.
+        kwargs["max_num_batched_tokens"] = max(
+            config.max_model_len, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+        )
     return kwargs
 
 
@@ -200,15 +208,32 @@ class InstanceEngine:
             self._engine.shutdown()
             self._engine = None
 
+    @staticmethod
+    def _sampling_params(sampling: SamplingSpec, room: int, final_only: bool):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=min(sampling.max_tokens, room),
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
+        )
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, chunk_tokens: int = 0
     ) -> AsyncIterator[Chunk]:
         """Generates one call's tokens. Yields a chunk once `chunk_tokens` new tokens are ready (0:
         only at the end), whenever the weight version changes, and at the end (`finish_reason` set).
         An aborted or preempted call ends with the tokens it produced."""
-        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         assert self._engine is not None, "start() first"
         room = self.config.max_model_len - len(prompt_token_ids)
@@ -222,19 +247,14 @@ class InstanceEngine:
         if request_id in self._requests:
             raise EngineInputError(f"request_id {request_id!r} is already live")
         final_only = chunk_tokens == 0
-        params = SamplingParams(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            max_tokens=min(sampling.max_tokens, room),
-            stop_token_ids=list(sampling.stop_token_ids),
-            seed=sampling.seed,
-            ignore_eos=sampling.ignore_eos,
-            logprobs=0,  # the sampled token's logprob only
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
-        )
+        try:
+            params = self._sampling_params(sampling, room, final_only)
+        except VLLMValidationError as e:
+            # The caller's input, not the instance's failure: a client that counted it as one
+            # would take a healthy instance out of its pool.
+            raise EngineInputError(f"sampling refused by vLLM: {e}") from None
         state = self._requests[request_id] = _Request()
+
         try:
             # vLLM's add_request processes the input (in a thread) before it knows the id: an
             # abort (or a Pause in ABORT mode) landing meanwhile finds nothing to abort, and the

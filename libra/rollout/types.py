@@ -4,6 +4,7 @@ wrapper, the client and the agent loop work on these. Enum values equal the prot
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 
@@ -47,6 +48,13 @@ class SamplingSpec:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def derive_seed(*parts: object) -> int:
+    """A sampling seed (31 bits, what every engine accepts) that is a function of `parts` only:
+    the same parts give the same random numbers on any machine and in any run."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
 @dataclass

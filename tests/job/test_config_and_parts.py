@@ -214,12 +214,32 @@ def test_report_from_run_folder(tmp_path):
         for when, version, reward, tools in (("before", 0, 0.0625, 0.7), ("after", 6, 0.25, 0.95))
     ]  # fmt: skip
     (tmp_path / "evaluations.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
+    # Samples 0-7 solved before, 4-35 after: 28 gained, 4 lost of the 128 (task, sample) pairs.
+    solved = {"before": range(8), "after": range(4, 36)}
+    samples = [
+        {
+            "when": when,
+            "version": version,
+            "task": i // 4,
+            "sample": i % 4,
+            "reward": float(i in solved[when]),
+        }
+        for when, version in (("before", 0), ("after", 6))
+        for i in range(128)
+    ]
+    (tmp_path / "evaluation_samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     report = write_report(tmp_path).read_text()
     assert "first 5 steps: 0.300; last 5 steps: 0.400" in report
     assert (
         "held-out before (version 0, 32 tasks x 4, never trained on): reward 0.062, tool use 0.70" in report
     )
     assert "held-out after (version 6, 32 tasks x 4, never trained on): reward 0.250, tool use 0.95" in report
+    # Mean difference 24/128; its standard deviation sqrt((32 - 128 * 0.1875^2) / 127) = 0.4653,
+    # over sqrt(128): 0.0411.
+    assert (
+        "paired (the same seeded samples before and after): +0.188 ± 0.041 (one standard error over" in report
+    )
+    assert "128 samples); 28 samples gained, 4 lost" in report
     assert "instance_lost" in report and report.count("\n| ") == 6 + 2
     assert "logprob gap over 5 steps (500 tokens): mean 1.0e-06, max 6.0e-06" in report
     # Rollout: 30 busy device-samples of 120 held; train: 15 of 60.

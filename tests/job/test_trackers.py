@@ -89,7 +89,7 @@ def test_every_tracker_gets_the_same_scalars_and_a_resume_continues_its_runs(tmp
     monkeypatch.setenv("WANDB_SILENT", "true")
     trackers = open_trackers(KINDS, tmp_path, "libra-test", config={"job.num_steps": 2})
     recorder = RunRecorder(tmp_path, trackers)
-    recorder.evaluation(HeldOutEvaluation("before", 0, 8, 2, 0.25, 0.5))
+    recorder.evaluation(HeldOutEvaluation("before", 0, 8, 2, 0.25, 0.5), [])
     recorder.step(_step(1, gap=float("nan")))  # not measured: left out everywhere
     recorder.step(_step(2, gap=2e-6))
     recorder.close()

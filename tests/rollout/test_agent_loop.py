@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from libra.rollout import FinishReason, InstanceClient, PauseMode, Segment
+from libra.rollout import FinishReason, InstanceClient, PauseMode, SamplingSpec, Segment
 from libra.scheduler import LeastLoadRouter
 from libra.trajectory import TOOL_TOKEN_VERSION, Outcome, ToolStatus
 from tests.rollout.conftest import MAX_MODEL_LEN, run
@@ -180,3 +180,63 @@ def test_failures_end_as_recorded_outcomes(instances, tokenizer, question, overr
     if tool_type in ("<malformed>", "<unknown>"):
         text = tokenizer.decode(trajectory.response_token_ids, skip_special_tokens=False)
         assert "<tool_response>\nerror: " in text
+
+
+def test_a_seeded_trajectory_draws_the_same_tokens_on_any_instance_in_any_batch(instances, tokenizer):
+    """`Trajectory.sampling_seed` (the held-out evaluation's): the same seed samples the same
+    tokens alone on one instance and in a batch of others on another; other seeds sample
+    differently. A high temperature off the scripted dialogs, so that the tokens are a matter of
+    the draw (that a training group's trajectories are unseeded is
+    `tests/job/test_evaluation_seeds.py`'s). The batch of 66 arrives
+    faster than the engine steps, and its prompts together exceed a step's token budget (2,048):
+    some prefill does not fit in one step. A split prefill of a seeded request killed the CPU
+    engine (its torch generator cannot rewind: measured, this test failed so), which now
+    prefills whole (`EngineDefaults.chunked_prefill`)."""
+    question = "Describe the sea. " * 6
+    overrides = dict(temperature=2.0, max_turns=1, max_tokens_per_turn=24)
+
+    def roll(seeds, instance):
+        async def scenario():
+            pool = await make_pool(PlannedRouter([instance]), [i.address for i in instances])
+            try:
+                trajectories = [new_trajectory(tokenizer, question, f"s{i}") for i in range(len(seeds))]
+                for trajectory, seed in zip(trajectories, seeds, strict=True):
+                    trajectory.sampling_seed = seed
+                return await make_loop(pool, tokenizer, **overrides).run_all(trajectories)
+            finally:
+                await pool.close()
+
+        trajectories = run(scenario())
+        lost = {Outcome.ERROR, Outcome.NO_INSTANCE, Outcome.ABORTED}  # what a dead engine leaves
+        assert not [t.outcome_reason for t in trajectories if t.outcome in lost]
+        return trajectories
+
+    seeds = range(1, 64)
+    batch = roll([None, None, *seeds], instance=1)  # two unseeded among them
+    assert sum(len(t.prompt_token_ids) for t in batch) > 2048
+    drawn = {seed: tuple(t.response_token_ids) for seed, t in zip(seeds, batch[2:], strict=True)}
+    assert len(set(drawn.values())) > 1, drawn  # the seed decides
+    longest = sorted(seeds, key=lambda seed: -len(drawn[seed]))[:3]
+    assert len(drawn[longest[-1]]) > 4
+    for seed in longest:
+        [alone] = roll([seed], instance=0)
+        assert tuple(alone.response_token_ids) == drawn[seed], seed
+
+
+def test_sampling_vllm_refuses_is_the_callers_error_not_the_instances(instances, tokenizer):
+    """vLLM's refusal of a call's sampling reaches the caller as a ValueError naming it, not as a
+    failure of the instance: three in a row no longer take a healthy instance out of the pool."""
+
+    async def scenario():
+        pool = await make_pool(LeastLoadRouter(), [instances[0].address])
+        try:
+            loop = make_loop(pool, tokenizer)
+            trajectory = new_trajectory(tokenizer, "What is 12+7?", "too-hot")
+            for _ in range(3):
+                with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\]"):
+                    await loop.model_turn(trajectory, 0, SamplingSpec(temperature=3.0))
+            return pool.get(0).lost
+        finally:
+            await pool.close()
+
+    assert run(scenario()) is False

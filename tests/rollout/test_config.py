@@ -17,6 +17,7 @@ from libra.rollout import AgentLoopConfig, InstanceConfig, SamplingSpec
         (AgentLoopConfig, {"max_turns": 0}, "rollout.agent.max_turns"),
         (AgentLoopConfig, {"top_p": 0}, "rollout.agent.top_p"),
         (AgentLoopConfig, {"temperature": -1}, "rollout.agent.temperature"),
+        (AgentLoopConfig, {"temperature": 2.5}, "rollout.agent.temperature must be in"),
         (AgentLoopConfig, {"stream_chunk_tokens": -1}, "rollout.agent.stream_chunk_tokens"),
         (AgentLoopConfig, {"tool_timeout_s": 0}, "rollout.agent.tool_timeout_s"),
         (AgentLoopConfig, {"no_instance_wait_s": -1}, "rollout.agent.no_instance_wait_s"),

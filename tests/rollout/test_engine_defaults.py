@@ -3,6 +3,9 @@ space in GiB, the accelerators' graphs and memory share. The settings a config l
 become the backend's, the ones it states win, and a setting the backend has no use for is refused
 by name, when the job is built. The accelerator configs state theirs.
 
+The CPU's prefills are whole: a seeded request's split prefill killed its engine
+(`test_agent_loop.py` rolls seeded trajectories out on real instances).
+
 The cuda and ascend plugins must be installed (scripts/setup_env.sh installs them); no GPU is
 needed: nothing here starts an engine."""
 
@@ -29,24 +32,30 @@ def scratch_env(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("backend", "kv_space", "eager", "memory"),
-    [("cpu", "1", True, None), ("cuda", None, False, 0.9), ("ascend", None, False, 0.9)],
+    ("backend", "kv_space", "eager", "memory", "chunked"),
+    [("cpu", "1", True, None, False), ("cuda", None, False, 0.9, True), ("ascend", None, False, 0.9, True)],
 )
-def test_unset_settings_are_the_backends_and_reach_vllm(scratch_env, backend, kv_space, eager, memory):
-    config = InstanceConfig(model="/m").for_backend(get_backend(backend))
+def test_unset_settings_are_the_backends_and_reach_vllm(
+    scratch_env, backend, kv_space, eager, memory, chunked
+):
+    config = InstanceConfig(model="/m", max_model_len=4096).for_backend(get_backend(backend))
     assert config.engine_settings_decided
     configure_vllm_env(config)
     assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == kv_space
     kwargs = engine_kwargs(config)
     assert kwargs["enforce_eager"] is eager
     assert kwargs.get("gpu_memory_utilization") == memory  # the CPU engine has no memory share
+    assert kwargs["enable_chunked_prefill"] is chunked
+    # Whole prefills need a step that holds the longest prompt; split ones keep vLLM's budget.
+    assert kwargs.get("max_num_batched_tokens") == (None if chunked else 4096)
 
 
 def test_stated_settings_win_over_the_backends():
-    stated = InstanceConfig(model="/m", enforce_eager=True, gpu_memory_utilization=0.4)
+    stated = InstanceConfig(model="/m", enforce_eager=True, gpu_memory_utilization=0.4, chunked_prefill=False)
     assert stated.for_backend(get_backend("cuda")) == stated
-    cpu = InstanceConfig(model="/m", kv_cache_gib=3, enforce_eager=False).for_backend(get_backend("cpu"))
-    assert (cpu.kv_cache_gib, cpu.enforce_eager) == (3, False)
+    cpu = InstanceConfig(model="/m", kv_cache_gib=3, enforce_eager=False, chunked_prefill=True)
+    cpu = cpu.for_backend(get_backend("cpu"))
+    assert (cpu.kv_cache_gib, cpu.enforce_eager, cpu.chunked_prefill) == (3, False, True)
 
 
 @pytest.mark.parametrize(
@@ -104,11 +113,12 @@ def test_the_job_states_the_engine_settings_it_runs():
     job = GrpoJob(load_config("configs/tiny_cpu.py"))
     instance = job.config.rollout.instance
     assert (instance.kv_cache_gib, instance.enforce_eager, instance.gpu_memory_utilization) == (1, True, None)
+    assert instance.chunked_prefill is False
 
 
 @pytest.mark.parametrize("name", GPU_JOB_CONFIGS)
 def test_the_accelerator_configs_state_their_engine_settings(name):
     """Stated in the file, not left to the backend: a reader of the config sees how its engines run."""
     stated = load_from_file(f"configs/{name}.py", "config", LibraConfig).rollout.instance
-    assert (stated.enforce_eager, stated.gpu_memory_utilization) == (False, 0.9)
+    assert (stated.enforce_eager, stated.gpu_memory_utilization, stated.chunked_prefill) == (False, 0.9, True)
     assert stated.for_backend(get_backend("cuda")) == stated

@@ -29,7 +29,9 @@ class AscendBackend(DeviceSlots):
     distributed_backend = "hccl"
     # ACL graphs (vllm-ascend's graph mode) for the small-batch decode of the long tail; vLLM's own
     # memory share.
-    engine_defaults = EngineDefaults(enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9)
+    engine_defaults = EngineDefaults(
+        enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9, chunked_prefill=True
+    )
 
     def availability(self) -> Availability:
         try:

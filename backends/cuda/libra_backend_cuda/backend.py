@@ -27,7 +27,9 @@ class CudaBackend(DeviceSlots):
     visible_devices_env = VISIBLE_DEVICES_ENV
     distributed_backend = "nccl"
     # CUDA graphs for the small-batch decode of the long tail; vLLM's own memory share.
-    engine_defaults = EngineDefaults(enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9)
+    engine_defaults = EngineDefaults(
+        enforce_eager=False, kv_cache_gib=None, gpu_memory_utilization=0.9, chunked_prefill=True
+    )
 
     def availability(self) -> Availability:
         try:
