@@ -74,8 +74,10 @@ class Trajectory:
     """Task fields needed to score it (e.g. ground truth id); never used for training."""
     sampling_seed: int | None = None
     """None: fresh random numbers (a group's samples must differ to be compared). Set (the
-    held-out evaluation): each generation call is seeded by it and the position it starts at, so
-    the same seed draws the same numbers at the same place on any instance, in any batch."""
+    held-out evaluation): each generation call is seeded by it and the position the call starts
+    at, so that a trajectory rolled out again with the same seed draws the same numbers turn by
+    turn, on any instance and in any batch (up to the engine's rounding); a call cut and resumed
+    mid-turn draws other numbers from there."""
 
     def append(self, token_ids: list[int], logprobs: list[float] | None, policy_version: int) -> None:
         """Appends model tokens (with `logprobs`) or, with `logprobs=None`, tool/template tokens."""

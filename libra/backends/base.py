@@ -73,7 +73,9 @@ class EngineDefaults:
     """Prefills split over engine steps (vLLM's default). Off on the CPU: a split prefill samples
     a token that vLLM discards and then rewinds the request's generator, which a seeded request
     (the held-out evaluation's, an agent's OpenAI `seed`) has, and torch's CPU generator cannot
-    rewind: the engine died ("CPU Generator does not use offset")."""
+    rewind: the engine died ("CPU Generator does not use offset"). vLLM then warns that the model
+    does not officially support whole prefills, and sizes a step to hold the longest prompt; the
+    CPU tests and the embedded job run this way."""
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class JobConfig:
     live_progress: bool = True
     """Show the live progress table (rich) on a terminal."""
     seed: int = 0
-    """Seed of prompt order and of the held-out evaluation's sampling."""
+    """Seed of prompt order and of the held-out evaluation's sampling (the built-in agent loop's)."""
     planner: bool = True
     """Run the global planner in the loop (`libra.job.planning`): the controller serves it
     (GetPlan, ProposePlan, SetPlannerPolicy), the job feeds it every step and carries out the plans

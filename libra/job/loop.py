@@ -318,8 +318,9 @@ class GrpoJob:
     async def _evaluate(self, when: str) -> None:
         """Rolls the held-out tasks out with the current weights and records their reward; none
         of these trajectories is trained on. Their groups and prompt ids are negative, apart from
-        the training prompts' in the router's prefix trees. Each (task, sample) is seeded by
-        `job.seed`: the evaluations before and after training draw the same random numbers."""
+        the training prompts' in the router's prefix trees. The built-in loop's (task, sample) is
+        seeded by `job.seed`: the evaluations before and after training draw the same random
+        numbers."""
         tasks = self.workers.source.eval_tasks[: self.job.eval_tasks]
         if not tasks:
             return

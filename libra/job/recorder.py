@@ -260,18 +260,20 @@ class RunRecorder:
         self._track(scalars, metrics.step)
 
     def evaluation(self, result: HeldOutEvaluation, groups: Sequence[Group]) -> None:
-        """The evaluation's summary, and a row per trajectory: which (task, sample) the policy
-        solves at this version (the seeded samples before and after pair up)."""
+        """The evaluation's summary, and a row per trajectory of `groups` (one per task, in task
+        order): which (task, sample) the policy solves at this version, and its sampling seed (the
+        rows of two evaluations with the same seed are the same sample, drawn the same)."""
         self._write("evaluations", asdict(result))
-        for group in groups:
+        for task, group in enumerate(groups):
             for sample, trajectory in enumerate(group.trajectories):
                 self._write(
                     "evaluation_samples",
                     {
                         "when": result.when,
                         "version": result.version,
-                        "task": -group.task_index - 1,
+                        "task": task,
                         "sample": sample,
+                        "seed": trajectory.sampling_seed,
                         "reward": trajectory.reward,
                         "tool_use": bool(trajectory.tool_returns),
                         "outcome": trajectory.outcome.value,

@@ -176,12 +176,15 @@ def _gap_line(steps: list[dict]) -> str:
 
 
 def _paired_gain_lines(rows: list[dict]) -> list[str]:
-    """The held-out reward's gain over the (task, sample) pairs evaluated before and after, with
-    the standard error of their mean difference: the samples are seeded, so that a pair differs
-    by what training changed rather than by the draw (a tighter error than two independent
-    evaluations'). Nothing without both evaluations."""
-    before = {(r["task"], r["sample"]): r["reward"] for r in rows if r["when"] == "before"}
-    after = {(r["task"], r["sample"]): r["reward"] for r in rows if r["when"] == "after"}
+    """The held-out reward's gain over the samples evaluated before and after with the same seed,
+    with the standard error of their mean difference: a pair drew the same random numbers, so it
+    differs by what training changed rather than by the draw (a tighter error than two
+    independent evaluations'). Nothing without such pairs (unseeded samples: a user agent's)."""
+
+    def rewards(when: str) -> dict[int, float]:
+        return {r["seed"]: r["reward"] for r in rows if r["when"] == when and r.get("seed") is not None}
+
+    before, after = rewards("before"), rewards("after")
     diffs = [after[key] - before[key] for key in sorted(before.keys() & after.keys())]
     if len(diffs) < 2:
         return []

@@ -151,9 +151,10 @@ class GroupRollout:
         """The user's agent (`endpoint.agent`), run in place of the built-in loop."""
         self.seed = seed
         """Set (the held-out evaluation's): the built-in loop's trajectory for (task, slot) samples
-        with its own seed, so that rolling the same tasks out twice (before and after training)
-        draws the same random numbers: a paired comparison, and reproducible from run to run.
-        None (training): fresh numbers."""
+        with its own seed (`Trajectory.sampling_seed`), so that rolling the same tasks out twice
+        (before and after training) draws the same random numbers: a paired comparison, and
+        reproducible from run to run. A user agent's sessions sample as the agent asks. None
+        (training): fresh numbers."""
 
     async def run(self, group: Group, task: TaskRecord) -> Group:
         import asyncio

@@ -102,13 +102,6 @@ def engine_kwargs(config: InstanceConfig) -> dict[str, object]:
     )
     if config.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-    if not config.chunked_prefill:
-        from vllm.config import SchedulerConfig
-
-        # Whole prefills: a step's token budget must hold the longest prompt.
-        kwargs["max_num_batched_tokens"] = max(
-            config.max_model_len, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
-        )
     return kwargs
 
 
@@ -232,7 +225,7 @@ class InstanceEngine:
         """Generates one call's tokens. Yields a chunk once `chunk_tokens` new tokens are ready (0:
         only at the end), whenever the weight version changes, and at the end (`finish_reason` set).
         An aborted or preempted call ends with the tokens it produced."""
-        from vllm.exceptions import VLLMValidationError
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         assert self._engine is not None, "start() first"
@@ -247,22 +240,22 @@ class InstanceEngine:
         if request_id in self._requests:
             raise EngineInputError(f"request_id {request_id!r} is already live")
         final_only = chunk_tokens == 0
-        try:
-            params = self._sampling_params(sampling, room, final_only)
-        except VLLMValidationError as e:
-            # The caller's input, not the instance's failure: a client that counted it as one
-            # would take a healthy instance out of its pool.
-            raise EngineInputError(f"sampling refused by vLLM: {e}") from None
         state = self._requests[request_id] = _Request()
-
         try:
-            # vLLM's add_request processes the input (in a thread) before it knows the id: an
-            # abort (or a Pause in ABORT mode) landing meanwhile finds nothing to abort, and the
-            # request would then wait in a paused engine forever. Repeat such an abort once
-            # vLLM holds the request.
-            queue = await self._engine.add_request(
-                request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params
-            )
+            try:
+                # vLLM's add_request processes the input (in a thread) before it knows the id: an
+                # abort (or a Pause in ABORT mode) landing meanwhile finds nothing to abort, and
+                # the request would then wait in a paused engine forever. Repeat such an abort
+                # once vLLM holds the request.
+                queue = await self._engine.add_request(
+                    request_id,
+                    TokensPrompt(prompt_token_ids=prompt_token_ids),
+                    self._sampling_params(sampling, room, final_only),
+                )
+            except VLLMClientError as e:
+                # The caller's input (sampling, token ids), not the instance's failure: a client
+                # that counted it as one would take a healthy instance out of its pool.
+                raise EngineInputError(f"vLLM refused the request: {e}") from None
             if state.abort_requested:
                 await self._engine.abort(queue.request_id, internal=True)
             outputs = self._outputs(queue)

@@ -214,19 +214,16 @@ def test_report_from_run_folder(tmp_path):
         for when, version, reward, tools in (("before", 0, 0.0625, 0.7), ("after", 6, 0.25, 0.95))
     ]  # fmt: skip
     (tmp_path / "evaluations.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
-    # Samples 0-7 solved before, 4-35 after: 28 gained, 4 lost of the 128 (task, sample) pairs.
+    # Samples 0-7 solved before, 4-35 after: 28 gained, 4 lost of the 128 seeded pairs; the
+    # unseeded ones (a user agent's, 128-135) pair with nothing.
     solved = {"before": range(8), "after": range(4, 36)}
     samples = [
-        {
-            "when": when,
-            "version": version,
-            "task": i // 4,
-            "sample": i % 4,
-            "reward": float(i in solved[when]),
-        }
+        {"when": when, "version": version, "task": i // 4, "sample": i % 4,
+         "seed": 1000 + i if i < 128 else None,
+         "reward": float(i in solved[when] or (when == "after" and i >= 128))}
         for when, version in (("before", 0), ("after", 6))
-        for i in range(128)
-    ]
+        for i in range(136)
+    ]  # fmt: skip
     (tmp_path / "evaluation_samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     report = write_report(tmp_path).read_text()
     assert "first 5 steps: 0.300; last 5 steps: 0.400" in report

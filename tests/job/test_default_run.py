@@ -189,7 +189,7 @@ def test_held_out_reward_and_tool_use_rise(result, run_dir):
     assert before.num_tasks == after.num_tasks >= 64
     assert after.tool_use_rate >= before.tool_use_rate + 0.10, result.evaluations
     assert after.mean_reward > before.mean_reward, result.evaluations
-    # Each (task, sample) recorded in both, its reward adding up to the evaluation's mean.
+    # Each (task, sample) recorded in both, seeded the same, its reward adding up to the mean.
     rows = read_jsonl(run_dir / "evaluation_samples.jsonl")
     for evaluation in result.evaluations:
         mine = [r for r in rows if r["when"] == evaluation.when and r["version"] == evaluation.version]
@@ -199,6 +199,8 @@ def test_held_out_reward_and_tool_use_rise(result, run_dir):
             for sample in range(evaluation.samples_per_task)
         ]
         assert sum(r["reward"] for r in mine) / len(mine) == pytest.approx(evaluation.mean_reward)
+    seeds = {when: [r["seed"] for r in rows if r["when"] == when] for when in ("before", "after")}
+    assert seeds["before"] == seeds["after"] and len(set(seeds["before"])) == len(rows) // 2
 
 
 def test_training_batches_call_the_tool_more(run_dir):

@@ -38,7 +38,7 @@ def scratch_env(monkeypatch):
 def test_unset_settings_are_the_backends_and_reach_vllm(
     scratch_env, backend, kv_space, eager, memory, chunked
 ):
-    config = InstanceConfig(model="/m", max_model_len=4096).for_backend(get_backend(backend))
+    config = InstanceConfig(model="/m").for_backend(get_backend(backend))
     assert config.engine_settings_decided
     configure_vllm_env(config)
     assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == kv_space
@@ -46,8 +46,6 @@ def test_unset_settings_are_the_backends_and_reach_vllm(
     assert kwargs["enforce_eager"] is eager
     assert kwargs.get("gpu_memory_utilization") == memory  # the CPU engine has no memory share
     assert kwargs["enable_chunked_prefill"] is chunked
-    # Whole prefills need a step that holds the longest prompt; split ones keep vLLM's budget.
-    assert kwargs.get("max_num_batched_tokens") == (None if chunked else 4096)
 
 
 def test_stated_settings_win_over_the_backends():
