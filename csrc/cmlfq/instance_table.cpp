@@ -29,7 +29,9 @@ void InstanceTable::add(InstanceId id, uint32_t bucket, bool ready, uint32_t wei
   if (it != instances_.end() && it->id == id) {
     throw std::invalid_argument("instance " + std::to_string(id) + " already exists");
   }
-  instances_.insert(it, InstanceLoad{id, bucket, 0, ready, weight});
+  InstanceLoad load{id, bucket, 0, ready, weight};
+  load.loading = !ready;
+  instances_.insert(it, load);
   index_buckets();
 }
 
@@ -63,7 +65,11 @@ void InstanceTable::rebucket(uint32_t num_buckets, const std::vector<std::pair<I
   index_buckets();
 }
 
-void InstanceTable::set_ready(InstanceId id, bool ready) { at(id).ready = ready; }
+void InstanceTable::set_ready(InstanceId id, bool ready) {
+  InstanceLoad& load = at(id);
+  load.ready = ready;
+  if (ready) load.loading = false;
+}
 
 void InstanceTable::set_max_queue_length(uint32_t max_queue_length) {
   if (max_queue_length == 0) throw std::invalid_argument("max_queue_length must be >= 1");
@@ -170,7 +176,9 @@ Placement InstanceTable::place(uint32_t bucket, InstanceId previous, bool previo
       }
     }
   }
-  if (const uint32_t i = least_loaded(all_, previous, nullptr); i != kNone) {
+  const bool loading = std::any_of(instances_.begin(), instances_.end(),
+                                   [](const InstanceLoad& load) { return load.loading; });
+  if (const uint32_t i = loading ? kNone : least_loaded(all_, previous, nullptr); i != kNone) {
     return {instances_[i].bucket, instances_[i].id, Reason::kAnyInstanceFallback};
   }
   return {bucket, kNoInstance, Reason::kNoInstance};

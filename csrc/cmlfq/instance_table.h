@@ -21,6 +21,8 @@ struct InstanceLoad {
   int64_t kv_used = 0;      // KV tokens held or reserved by its running and queued sequences
   int64_t kv_capacity = 0;  // 0: never reported; judged by its trajectory cap only
   int64_t kv_full_at = 0;   // ceil(kv_full_fraction * kv_capacity), so the check is one integer compare
+  bool loading = false;     // added not ready and not ready since: it will serve (one set not ready
+                            // after serving is leaving: a drain)
 };
 
 struct Placement {
@@ -63,7 +65,9 @@ class InstanceTable {
   // Where a trajectory that wants `bucket` goes: the least-loaded (active / weight) ready instance
   // of that bucket with room (see has_room); else the same in the nearest other bucket
   // (at equal distance the larger one: a long trajectory on too small a bucket costs more than
-  // the reverse); else the least-loaded ready instance anywhere, full or not. Ties go to
+  // the reverse); else, unless an instance is still `loading` (it will have room: the trajectory
+  // waits for it, kNoInstance, rather than queue behind a full one and stay there after it serves),
+  // the least-loaded ready instance anywhere, full or not. Ties go to
   // `previous` (its prefix cache is warm), then to the lowest id. previous_holds_it: the
   // trajectory is still counted on `previous` (see `has_room`).
   Placement place(uint32_t bucket, InstanceId previous, bool previous_holds_it = false) const;

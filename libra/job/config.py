@@ -73,7 +73,8 @@ class JobConfig:
     planner_rescore_steps: int = 4
     """With the planner on: when its model would move to another layout, the planner first
     simulates each candidate (the running plan, its model's optimum, the best pool of each TP
-    size) for this many steps on the job's latest finished groups (`libra.job.rescoring`); it
+    size) for this many steps on the job's latest finished groups (`libra.job.rescoring`),
+    scored past the steps that fill its pipeline (`libra.sim.rescoring.rescore_warmup_steps`); it
     adopts another plan than its model's optimum only when that one scores
     `planner.policy.rescore_margin` more trained tokens/s, and leaves the running plan only when
     the apply rule passes on the simulated gain. It runs on the planner's thread while training

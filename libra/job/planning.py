@@ -555,13 +555,14 @@ class JobPlanning:
 
     def _rollout_load(self) -> tuple[int, int, int]:
         """(running, waiting, slots) as `StepObservation.measure` counts them: an instance decodes
-        up to its engine's `max_num_seqs` trajectories; the router's others on it queue there."""
+        up to its engine's `max_num_seqs` trajectories; the router's others on it queue there,
+        and those no instance had room for wait unplaced (as the simulator counts them)."""
         per_instance = self.config.rollout.instance.max_num_seqs
         live = set(self.instances.pool.live_ids())
         loads = getattr(self.instances.pool.router, "instance_loads", None)
         placed = [load.active for load in loads() if load.instance_id in live] if loads is not None else []
         running = sum(min(n, per_instance) for n in placed)
-        waiting = sum(max(0, n - per_instance) for n in placed)
+        waiting = sum(max(0, n - per_instance) for n in placed) + self.instances.pool.waiting
         return running, waiting, len(live) * per_instance
 
     def _maybe_execute(self) -> None:

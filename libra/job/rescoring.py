@@ -4,7 +4,8 @@ The planner's cost model prices a plan by its work and its slowest request; it k
 the router, the staleness gate, KV pressure or the tail. Where the job re-plans, `JobRescorer`
 (the planner's `PlanRescorer`) runs each candidate -- the running plan, the model's optimum, the
 best pool of each TP size -- as a static plan in the simulator (`libra.sim.rescoring.score_plans`)
-for `job.planner_rescore_steps` steps and scores it by trained tokens/s. The simulated cluster is
+for `job.planner_rescore_steps` steps and scores it by trained tokens/s past the steps that fill
+its pipeline (which the running job did long ago). The simulated cluster is
 the job's (its backend's hardware profile, its devices), priced with the planner's calibrated
 factors (`Planner.calibrated_factors`: the model scaled to the steps the job measured), with the
 job's batch, staleness rule and router settings; its groups are the job's latest finished groups,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import itertools
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,8 @@ from libra.planner.diff import (
     StopRolloutInstance,
 )
 from libra.planner.execution_config import ExecutorConfig
+
+logger = logging.getLogger(__name__)
 
 
 class ClusterApi(Protocol):
@@ -229,22 +232,41 @@ class ActionExecutor:
         start = self.clock()
         results: list[ActionResult] = []
         failed = False
-        for index, action in enumerate(actions):
-            if failed:
-                results.append(ActionResult(index, action, Outcome.SKIPPED))
-                continue
-            began = self.clock()
-            try:
-                detail = self._run(action)
-                result = ActionResult(index, action, Outcome.OK, self.clock() - began, detail)
-            except Exception as e:  # noqa: BLE001 - any failure stops the plan and is reported
-                failed = True
-                result = ActionResult(index, action, Outcome.FAILED, self.clock() - began, _describe_error(e))
-            results.append(result)
-            self._publish(plan_version, result.describe())
+        # The pool holds the instances the plan starts as loading from now on, so that what
+        # the instances it stops carried waits for them (`RolloutControl.expect`).
+        starting = tuple(a.tp for a in actions if isinstance(a, StartRolloutInstance))
+        if starting:
+            self._expect(starting)
+        try:
+            for index, action in enumerate(actions):
+                if failed:
+                    results.append(ActionResult(index, action, Outcome.SKIPPED))
+                    continue
+                began = self.clock()
+                try:
+                    detail = self._run(action)
+                    result = ActionResult(index, action, Outcome.OK, self.clock() - began, detail)
+                except Exception as e:  # noqa: BLE001 - any failure stops the plan and is reported
+                    failed = True
+                    result = ActionResult(
+                        index, action, Outcome.FAILED, self.clock() - began, _describe_error(e)
+                    )
+                results.append(result)
+                self._publish(plan_version, result.describe())
+        finally:
+            if starting:  # those that did not start are given up: nothing waits for them
+                self._expect(())
         report = ExecutionReport(plan_version, tuple(results), self.clock() - start)
         self._publish(plan_version, _summary(report))
         return report
+
+    def _expect(self, tp_sizes: tuple[int, ...]) -> None:
+        """`RolloutControl.expect`, which only steers placement: its failure (the pool's loop
+        not answering) is logged and fails no plan; the next plan's expectation replaces it."""
+        try:
+            self.rollout.expect(tp_sizes)
+        except Exception:  # noqa: BLE001 - any failure here is reported and the plan goes on
+            logger.warning("could not tell the rollout pool of the instances %s", tp_sizes, exc_info=True)
 
     def _run(self, action: Action) -> str:
         match action:

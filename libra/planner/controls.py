@@ -62,6 +62,12 @@ class RolloutControl(Protocol):
         """The instance's worker has stopped: forget it (no loss accounting, it was planned)."""
         ...
 
+    def expect(self, tp_sizes: tuple[int, ...]) -> None:
+        """The plan will start instances of these TP sizes (replacing what was expected; empty:
+        none more): until each joins (`add_instance`), trajectories the instances left have no
+        room for wait for it rather than queue on a full one."""
+        ...
+
     def add_instance(self, instance_id: str, worker_id: str, tp: int, address: str) -> None:
         """A new instance serves at `address` (its worker `worker_id` is ready): bring it to the current
         weights and add it to the bucket of its TP size. Raising makes the start fail (the

@@ -134,7 +134,8 @@ class AgentLoop:
             else:
                 self.router.on_finish(trajectory.trajectory_id, trajectory.num_generated_tokens)
         except KeyError:
-            pass  # the router no longer knows it (e.g. it was reset); nothing to free
+            return  # the router no longer knows it (e.g. it was reset); nothing to free
+        self.pool.room_freed()
 
     async def _turns(self, trajectory: Trajectory, instance_id: int | None) -> None:
         while True:
@@ -315,7 +316,8 @@ class AgentLoop:
             )
 
     async def _reroute(self, trajectory_id: str) -> int:
-        """A new instance for a displaced trajectory; waits up to `no_instance_wait_s` for one."""
+        """A new instance for a displaced or unplaced trajectory; waits up to `no_instance_wait_s`
+        for one with room (none ready, or all full while a plan's new ones load)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.no_instance_wait_s
         while True:
@@ -328,10 +330,13 @@ class AgentLoop:
                 raise TrajectoryEnded(
                     Outcome.NO_INSTANCE, f"no rollout instance within {self.config.no_instance_wait_s} s"
                 )
+            self.pool.waiting += 1
             try:
                 await asyncio.wait_for(changed.wait(), timeout=remaining)
             except TimeoutError:
                 pass
+            finally:
+                self.pool.waiting -= 1
 
     async def _call_tool(self, trajectory: Trajectory, turn: list[int]) -> ToolReturnState:
         """Parses and runs the turn's tool call, appends the result tokens; returns its state."""

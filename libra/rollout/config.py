@@ -115,10 +115,11 @@ class AgentLoopConfig:
     tool_timeout_s: float = 60.0
     """A tool call running longer ends as a TIMEOUT result."""
     no_instance_wait_s: float = 600.0
-    """How long a trajectory waits for a rollout instance when none is ready before it ends
-    NO_INSTANCE. Long enough for a restarted instance or a plan's new one to come up (20-60 s on
-    a loaded 2-core CPU, minutes for a large model on GPUs): a trajectory is not lost to a gap
-    in rollout capacity, and one kept waiting too long is dropped as stale, not as lost."""
+    """How long a trajectory waits for a rollout instance when none is ready (or, while a plan's
+    new instances load, none has room) before it ends NO_INSTANCE. Long enough for a restarted
+    instance or a plan's new one to come up (20-60 s on a loaded 2-core CPU, minutes for a large
+    model on GPUs): a trajectory is not lost to a gap in rollout capacity, and one kept waiting
+    too long is dropped as stale, not as lost."""
     rpc_timeout_s: float = 600.0
     """Deadline of one generation call."""
 

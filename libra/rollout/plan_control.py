@@ -148,7 +148,13 @@ class PoolRolloutControl:
     def set_bucket_thresholds(self, thresholds: tuple[tuple[int, int], ...]) -> None:
         self._on_loop(self._set_buckets(thresholds), self.config.call_timeout_s)
 
+    def expect(self, tp_sizes: tuple[int, ...]) -> None:
+        self._on_loop(self._expect(tp_sizes), self.config.call_timeout_s)
+
     # -- the steps on the pool's loop -----------------------------------------------------------
+
+    async def _expect(self, tp_sizes: tuple[int, ...]) -> None:
+        self.pool.expect(tp_sizes)
 
     async def _drain_start(self, pool_id: int) -> None:
         self.pool.drain(pool_id)

@@ -13,7 +13,8 @@ A plan takes instances away on purpose (`libra.rollout.plan_control`): `drain` s
 one, `cut` also ends its calls so that its trajectories reroute at once, `restore` undoes both and
 `remove` forgets it. Such an instance is `withdrawn`: a cut one is out of service like a lost one
 (the agent loop reroutes away from it) but nothing counts it as a failure, and the end of its
-worker is no loss.
+worker is no loss. While a plan starts new instances, the pool holds each in the router as
+loading (`expect`) until it joins, so that what the instances left have no room for waits for it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ WORKER_END_EVENTS = (EventKind.WORKER_EXITED, EventKind.WORKER_LOST, EventKind.W
 was lost, or it was stopped."""
 _WATCH_RETRY_S = 1.0
 """Pause before re-subscribing after the event stream broke (the controller restarting)."""
+EXPECTED_ID_BASE = 1 << 40
+"""Router ids of the instances a plan is starting (`InstancePool.expect`), apart from the pool's
+own (the job's, counted from 0)."""
 KV_USAGE_PARTS = 10_000
 """The capacity KV usage is reported to the router with: `InstanceStats` carries a share, not
 the engine's KV tokens, so the router gets parts per 10,000 of 10,000."""
@@ -90,8 +94,8 @@ class InstancePool:
             else None
         )
         """The router's cap, derived again from the pool's weight whenever an instance joins or
-        leaves service, or is drained (`FairQueueLength`); None: the config's cap (set by hand)
-        is kept."""
+        leaves service, is drained, or a plan expects one (`FairQueueLength`); None: the
+        config's cap (set by hand) is kept."""
         self._control = control
         self._instances: dict[int, PooledInstance] = {}
         self._removed: dict[int, PooledInstance] = {}
@@ -100,9 +104,17 @@ class InstancePool:
         self._ended_workers: dict[str, str] = {}
         """Worker id → why it ended, as heard from the controller (an instance that joins after
         its worker's end is lost at once)."""
+        self._expected: dict[int, int] = {}
+        """Router id → TP size of each instance a plan is starting (`expect`), until one of its
+        size joins."""
+        self._next_expected_id = EXPECTED_ID_BASE
+        self.waiting = 0
+        """Trajectories waiting for an instance with room (the agent loop counts them in and
+        out), for the planner's view of rollout pressure."""
         self._watch: asyncio.Task | None = None
         self.changed = asyncio.Event()
-        """Set whenever an instance joins (trajectories waiting for one wake up)."""
+        """Set whenever an instance joins, a plan expects or gives one up, or room frees while
+        one is expected (trajectories waiting for an instance wake up)."""
 
     @property
     def buckets(self) -> tuple[BucketConfig, ...]:
@@ -128,19 +140,50 @@ class InstancePool:
         client = InstanceClient(address, self._token, self._control)
         stats = await client.stats()
         tp = stats.tensor_parallel_size if tp_size is None else tp_size
-        weight = self._weight_of_tp(tp) if self._weight_of_tp is not None else 1
+        weight = self._weight(tp)
         pooled = PooledInstance(
             instance_id, client, self.bucket_of_tp(tp), stats.max_model_len, worker_id, weight=weight
         )
+        self.router.add_instance(instance_id, pooled.bucket, weight=weight)
         self._instances[instance_id] = pooled
         self._removed.pop(instance_id, None)
-        self.router.add_instance(instance_id, pooled.bucket, weight=weight)
+        # An instance of a size a plan expects takes one expected one's place (by size alone: a
+        # restarted one weighs the same).
+        expected = next((r for r, size in self._expected.items() if size == tp), None)
+        if expected is not None:
+            del self._expected[expected]
+            self.router.remove_instance(expected)
         self._fit_queue_length()
         self._announce_change()
         logger.info("rollout instance %d at %s joined bucket %d", instance_id, address, pooled.bucket)
         if worker_id in self._ended_workers:
             self.mark_lost(instance_id, self._ended_workers[worker_id])
         return pooled
+
+    def expect(self, tp_sizes: Sequence[int]) -> None:
+        """A plan is about to start instances of `tp_sizes` (replacing what it expected before;
+        empty: nothing more). Until one of each size joins (`add`), the router holds it as
+        loading: the derived cap counts its weight, and a trajectory no ready instance has room
+        for waits for it instead of queueing behind a full instance, where it would stay after
+        the new one serves. Without this a plan that replaced most of the pool piled every
+        trajectory onto the few instances left (simulated at 160 x 910B: 470 queued on each of
+        2 TP-4 instances while 8 TP-8 ones loaded, 4 minutes of rollout nearly lost)."""
+        for router_id in self._expected:
+            self.router.remove_instance(router_id)
+        self._expected = {}
+        for tp in tp_sizes:
+            router_id, self._next_expected_id = self._next_expected_id, self._next_expected_id + 1
+            bucket = nearest_bucket(self._cmlfq.buckets, tp)
+            self.router.add_instance(router_id, bucket, ready=False, weight=self._weight(tp))
+            self._expected[router_id] = tp
+        self._fit_queue_length()
+        self._announce_change()
+
+    def room_freed(self) -> None:
+        """A trajectory left the router (the agent loop calls this): while a plan's instances
+        load, the trajectories waiting for room try again (none waits for room otherwise)."""
+        if self._expected:
+            self._announce_change()
 
     def get(self, instance_id: int) -> PooledInstance:
         pooled = self._instances.get(instance_id) or self._removed.get(instance_id)
@@ -278,6 +321,7 @@ class InstancePool:
                 )
             new_bucket[instance_id] = index
         in_service = {i: b for i, b in new_bucket.items() if not self._instances[i].lost}
+        in_service.update({r: nearest_bucket(cmlfq.buckets, tp) for r, tp in self._expected.items()})
         self.router.update_buckets(cmlfq.buckets, in_service)
         self._cmlfq = cmlfq
         for instance_id, index in new_bucket.items():
@@ -301,12 +345,16 @@ class InstancePool:
             raise LookupError(f"cannot {what} instance {instance_id}: out of service ({pooled.lost_reason})")
         return pooled
 
+    def _weight(self, tp_size: int) -> int:
+        return self._weight_of_tp(tp_size) if self._weight_of_tp is not None else 1
+
     def _fit_queue_length(self) -> None:
         """The derived cap for the instances that take trajectories: not lost, not withdrawn (a
-        drained one is leaving, and takes no new ones)."""
+        drained one is leaving, and takes no new ones), and those a plan is starting."""
         if self._queue_length is None:
             return
         weight = sum(p.weight for p in self._instances.values() if not (p.lost or p.withdrawn))
+        weight += sum(self._weight(tp) for tp in self._expected.values())
         cap = self._queue_length.follow(weight)
         if cap is not None:
             logger.info(
@@ -382,3 +430,11 @@ class InstancePool:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         await asyncio.gather(*(p.client.close() for p in self._instances.values()), return_exceptions=True)
+
+
+def nearest_bucket(buckets: Sequence[BucketConfig], tp_size: int) -> int:
+    """The bucket of `tp_size`, else of the largest TP size below it, else the first: where an
+    expected instance waits in the router (its own bucket may come with the plan's thresholds)."""
+    exact = [i for i, b in enumerate(buckets) if b.tp_size == tp_size]
+    below = [i for i, b in enumerate(buckets) if b.tp_size < tp_size]
+    return (exact or below or [0])[-1]

@@ -42,6 +42,9 @@ class _Instance:
     weight: int = 1
     kv_used: int = 0
     kv_capacity: int = 0
+    loading: bool = False
+    """Added not ready and not ready since: it will serve (one set not ready after serving is
+    leaving, a drain)."""
 
 
 @dataclass
@@ -116,7 +119,7 @@ class _BaselineRouter:
             raise ValueError(f"instance {instance_id} already exists")
         if weight < 1:
             raise ValueError(f"instance {instance_id}: weight must be >= 1, got {weight}")
-        self._instances[instance_id] = _Instance(bucket, ready, weight=weight)
+        self._instances[instance_id] = _Instance(bucket, ready, weight=weight, loading=not ready)
 
     def remove_instance(self, instance_id: int) -> list[str]:
         del self._instances[instance_id]
@@ -129,7 +132,9 @@ class _BaselineRouter:
         return self.remove_instance(instance_id)
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
-        self._instances[instance_id].ready = ready
+        instance = self._instances[instance_id]
+        instance.ready = ready
+        instance.loading = instance.loading and not ready
 
     def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
         """Recorded for `instance_loads`; placement ignores it (see the module's docstring)."""
@@ -200,7 +205,9 @@ class _BaselineRouter:
                     and (chosen := self._least_loaded(other, previous, True)) is not None
                 ):
                     return other, chosen, Reason.BUCKET_SATURATED_FALLBACK
-        chosen = self._least_loaded(None, previous, capped=False)
+        # Full everywhere: wait for an instance still loading (as C-MLFQ does), else overflow.
+        loading = any(instance.loading for instance in self._instances.values())
+        chosen = None if loading else self._least_loaded(None, previous, capped=False)
         if chosen is not None:
             return self._instances[chosen].bucket, chosen, Reason.ANY_INSTANCE_FALLBACK
         return bucket, None, Reason.NO_INSTANCE

@@ -44,9 +44,10 @@ class Reason(enum.IntEnum):
     BUCKET_SATURATED_FALLBACK = 6
     """The wanted bucket had no ready instance with room: placed in the nearest bucket that had."""
     ANY_INSTANCE_FALLBACK = 7
-    """No bucket had room: the least-loaded ready instance anywhere."""
+    """No bucket had room and no instance is loading: the least-loaded ready instance anywhere."""
     NO_INSTANCE = 8
-    """No instance is ready: the trajectory waits unplaced (`instance_id` None) until rerouted."""
+    """No instance is ready, or none has room and one is loading: the trajectory waits unplaced
+    (`instance_id` None) until rerouted."""
     REROUTED = 9
     """Placed again by `reroute`, in its bucket."""
     DEMOTION_HELD = 10
@@ -117,7 +118,10 @@ class Router(Protocol):
         the smallest TP size that holds the model: `RolloutCostModel.router_weight`); placement
         compares live trajectories per unit of weight and caps an instance at max_queue_length x
         weight (C-MLFQ also at its share by weight of what the pool holds,
-        `CmlfqConfig.fair_share_headroom`), so a heterogeneous pool is loaded by capacity."""
+        `CmlfqConfig.fair_share_headroom`), so a heterogeneous pool is loaded by capacity.
+        Added not `ready`, it is loading until set ready: while any instance is, a trajectory no
+        ready instance has room for waits for it (`Reason.NO_INSTANCE`) rather than overflow
+        onto a full one, where it would stay queued after the new instance serves."""
         ...
 
     def remove_instance(self, instance_id: int) -> list[str]:
@@ -131,7 +135,8 @@ class Router(Protocol):
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
         """A not-ready instance (loading weights, draining) takes no new trajectories; those it
-        has move elsewhere at their next tool return."""
+        has move elsewhere at their next tool return. One set not ready after it served is
+        leaving, not loading: nobody waits for it."""
         ...
 
     def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:

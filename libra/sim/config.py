@@ -293,8 +293,9 @@ class SimConfig:
     """Finished trajectories the planner plans from (a preflight sample at the start)."""
     planner_rescore_steps: int = 0
     """The planner re-scores its candidate plans -- its optimum and the best pool of each TP
-    size -- by simulating each for this many steps on the workload as it is (`libra.sim.rescoring`),
-    at the initial plan and at every re-plan its model would apply; 0: its cost model decides alone."""
+    size -- by simulating each for this many steps on the workload as it is (`libra.sim.rescoring`;
+    scored past the steps that fill its pipeline), at the initial plan and at every re-plan its
+    model would apply; 0: its cost model decides alone."""
     cmlfq: CmlfqConfig = field(default_factory=CmlfqConfig)
     """C-MLFQ's settings (`scheduler.*` in the job: demotion, the KV share counted full, the
     draining share, the cap, the P90 window, rebuilds); its buckets are the simulated layout's.

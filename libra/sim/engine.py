@@ -82,8 +82,8 @@ class RolloutCluster:
             if trajectories_in_flight
             else None
         )
-        """The router's cap, derived again from the pool's weight whenever an instance starts
-        serving or leaves (`FairQueueLength`); None: `cmlfq_config`'s is kept (the cap of
+        """The router's cap, derived again from the pool's weight whenever an instance joins
+        (loading) or leaves (`FairQueueLength`); None: `cmlfq_config`'s is kept (the cap of
         `cmlfq_config` is the launch value either way: the router holds the current one)."""
         self.cmlfq_config = cmlfq_config
         self.cost = cost
@@ -211,11 +211,13 @@ class RolloutCluster:
         self.reroute_unplaced()
 
     def _fit_queue_length(self) -> None:
-        """The derived cap for the instances that serve: one still loading joins the job's pool
-        only once it serves, and counts from then on here too."""
+        """The derived cap for the pool a plan runs: the instances that serve and those still
+        loading, as the job's pool counts the instances its plan is starting
+        (`InstancePool.expect`). Counting only those that serve, a re-plan that replaced most of
+        the pool piled every trajectory onto the few left -- 470 queued on each of 2 TP-4
+        instances while 8 new TP-8 ones loaded, and still there minutes after they served."""
         if self._queue_length is not None:
-            ready = (i for i in self.instances.values() if i.ready_at <= self.now)
-            self._queue_length.follow(sum(self.weight(i.tp) for i in ready))
+            self._queue_length.follow(sum(self.weight(i.tp) for i in self.instances.values()))
 
     def update_buckets(self, buckets: SequenceOf[BucketConfig], instance_buckets: Mapping[int, int]) -> int:
         """A re-plan changed the buckets (`Router.update_buckets`). The router decides every live

@@ -190,10 +190,14 @@ class PolicyRun:
         seqs = SequenceStats(mean, sum(x * x for x in lengths) / len(lengths), max(lengths))
         return self.train_cost.step_s(cfg, seqs)
 
-    def _consume(self, batch: list[LiveTrajectory], version: int) -> None:
+    def _consume(self, batch: list[LiveTrajectory], version: int) -> int:
+        """Takes `batch` into a step at `version`; returns its trained (generated) tokens."""
+        tokens = 0
         for traj in batch:
             self.staleness.append(version - (traj.oldest_version or 0))
-            self.consumed_tokens += traj.generated
+            tokens += traj.generated
+        self.consumed_tokens += tokens
+        return tokens
 
     def _on_finish(self, traj: LiveTrajectory) -> None:
         self.finished += 1
@@ -311,7 +315,7 @@ class SyncRun(PolicyRun):
             if self.policy.tail_batching:  # RollPacker: the unfinished prompt runs in a long round
                 self.long_queue.append(self.round_traces[group])
         batch = [t for g in self.done_groups for t in self.round_live[g]]
-        self._consume(batch, self.cluster.version)
+        tokens = self._consume(batch, self.cluster.version)
         rollout_s = now - self.round_started
         train_s = self._train_s(batch, self.training)
         switch = self.config.costs.colocate_switch_s
@@ -333,6 +337,7 @@ class SyncRun(PolicyRun):
                 2 * switch,
                 tail_share([t.started_at for t in batch], [t.finished_at for t in batch]),
                 self.config.num_devices,
+                tokens,
             )
         )
         self.cluster.schedule(end, self._next_round)
@@ -432,7 +437,7 @@ class AsyncRun(PolicyRun):
         if self.pending_training and now >= self.pending_training[0]:
             _, self.training, self.train_devices = self.pending_training
             self.pending_training = None
-        self._consume(batch, self.gate.version)
+        tokens = self._consume(batch, self.gate.version)
         train_s = self._train_s(batch, self.training) + self.publish_s
         self.trainer_busy = True
         self.train_busy_s += train_s * self.training.num_devices
@@ -449,6 +454,7 @@ class AsyncRun(PolicyRun):
                 self.stall_s,
                 tail_share([t.started_at for t in batch], [t.finished_at for t in batch]),
                 self.training.num_devices,
+                tokens,
             )
         )
         self.stall_s = 0.0
@@ -544,6 +550,13 @@ class AsyncRun(PolicyRun):
         old_plan, self.current_plan = self.current_plan, plan
         old_keys = {(i.tp, i.devices): i for i in old_plan.instances}
         new_keys = {(i.tp, i.devices): i for i in plan.instances}
+        # The plan's new instances join (loading) before the old ones leave, as the job's pool
+        # expects them from the plan's start (`InstancePool.expect`): the cap counts them when
+        # the leavers' trajectories are placed again, and what has no room waits for them. The
+        # buckets change last, as in the job, so nobody is moved onto a leaver.
+        started = [i for key, i in new_keys.items() if key not in old_keys]
+        instance_ready = now + costs.instance_start_s
+        self._place_instances(started, instance_ready)
         for key, inst in old_keys.items():
             if key not in new_keys:
                 self.cluster.remove_instance(self.instance_of_name.pop(inst.instance_id))
@@ -560,9 +573,6 @@ class AsyncRun(PolicyRun):
                 self.training, self.train_devices = plan.training.config, new_train
             else:
                 self.pending_training = (ready, plan.training.config, new_train)
-        started = [i for key, i in new_keys.items() if key not in old_keys]
-        instance_ready = now + costs.instance_start_s
-        self._place_instances(started, instance_ready)
         # Device roles: what changes goes through `loading` until its new role is live.
         for d in range(self.config.num_devices):
             if d in new_train:
@@ -579,8 +589,8 @@ class AsyncRun(PolicyRun):
 
     def _update_buckets(self, plan) -> None:
         """When the plan's buckets (TP sizes or thresholds) differ from the router's, the router
-        takes the new ones at run time; the instances still running are relabelled (the ones
-        the plan drops were removed already, the ones it adds join in the new buckets)."""
+        takes the new ones at run time; every instance is relabelled, those the plan added
+        (loading) too (the ones it drops were removed already)."""
         tps, thresholds = plan_buckets(plan)
         if (tps, thresholds) == (self.bucket_tps, self.thresholds) or not tps:
             return

@@ -50,6 +50,8 @@ class StepRecord:
     tail_share: float
     """Of the batch's rollout span (first start to last finish), the share after 90% had finished."""
     num_train_devices: int
+    tokens: int
+    """Output tokens of the trajectories this step trained on."""
 
 
 @dataclass
@@ -98,6 +100,21 @@ class SimResult:
         """Model tokens of the trajectories trained on per second: the throughput a run turns
         into training (a dropped trajectory's tokens count for nothing)."""
         return self.output_tokens / self.makespan_s
+
+    def steady_trained_tokens_per_s(self, warmup_steps: int) -> float:
+        """Trained tokens/s over the steps after the first `warmup_steps`: from the end of the
+        last warm-up step (0: from the start) to the end of the last step. A run that starts
+        empty first waits for a whole batch to roll out and then trains on the shortest
+        trajectories; a running job has neither, so this is the rate to compare plans for it by.
+        A run that stalled within its warm-up trained nothing past it: 0."""
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        after = self.steps[warmup_steps:]
+        if not after:
+            return 0.0
+        began = self.steps[warmup_steps - 1].ended_at if warmup_steps else 0.0
+        span = after[-1].ended_at - began
+        return sum(s.tokens for s in after) / span if span > 0 else 0.0
 
     @property
     def dropped_share(self) -> float:

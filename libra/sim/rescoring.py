@@ -5,7 +5,8 @@ prefill, the prefix cache and its evictions, KV pressure, the router, the stalen
 tail. Where the model finds a mixed pool and a homogeneous one within a percent or two of each
 other, only the simulation can tell which is faster, so the planner simulates its candidates
 (the optimum and the best pool of each TP size, `libra.planner.candidates.candidate_plans`) for
-`SimConfig.planner_rescore_steps` steps and keeps the one with the most trained tokens/s.
+`SimConfig.planner_rescore_steps` steps and keeps the one with the most trained tokens/s past
+the steps that fill its empty pipeline (`rescore_warmup_steps`).
 
 Each candidate runs as a static plan under C-MLFQ (its own buckets and thresholds), from the same
 history, on the same groups, with the workload held where the run is now (no drift during the
@@ -70,13 +71,24 @@ def score_plans(
 ) -> list[float]:
     """Each plan's trained tokens/s, run static (`policy`: under C-MLFQ unless it names another
     router) for `config.num_steps` steps on the same groups (`groups`, else the config's workload,
-    from `window`)."""
+    from `window`), past the steps that fill its pipeline (`rescore_warmup_steps`)."""
+    warmup = rescore_warmup_steps(config.num_steps, config.batch.max_staleness)
     return [
         simulate(
             config, policy, build_layout(config, policy, history, plan), history, window, groups=groups
-        ).trained_tokens_per_s
+        ).steady_trained_tokens_per_s(warmup)
         for plan in plans
     ]
+
+
+def rescore_warmup_steps(num_steps: int, max_staleness: int) -> int:
+    """The simulated steps a re-scoring leaves out: one per version the launch runs ahead
+    (`max_staleness`; none on-policy, where every step starts from nothing), at most half. Each
+    candidate starts from an empty pipeline -- its first steps wait for whole batches and train
+    on the shortest trajectories -- while the running job it is compared for is past that."""
+    if num_steps < 1 or max_staleness < 0:
+        raise ValueError(f"need num_steps >= 1 and max_staleness >= 0, got {num_steps} and {max_staleness}")
+    return min(max_staleness, num_steps // 2)
 
 
 def rescored_initial_plan(config: SimConfig, history: tuple[RequestRecord, ...]) -> tuple[Plan, Rescoring]:

@@ -45,7 +45,8 @@ class ScriptedLoop(AgentLoop):
     the script is raised instead) and can be held at `gate`."""
 
     def __init__(self, tokenizer, script: list):
-        super().__init__(SimpleNamespace(router=CountingRouter()), ChatFormat(tokenizer), [])
+        pool = SimpleNamespace(router=CountingRouter(), room_freed=lambda: None)
+        super().__init__(pool, ChatFormat(tokenizer), [])
         self.script, self.gate = list(script), asyncio.Event()
         self.gate.set()
         self.started = asyncio.Event()

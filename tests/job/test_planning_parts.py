@@ -68,6 +68,7 @@ class FakePool:
         self.ids = ids
         self.buckets = (BucketConfig("short", 1, 256), BucketConfig("long", 2, 4096))
         self.router = SimpleNamespace()  # no instance_loads: pressure 0
+        self.waiting = 0  # no trajectory waits for an instance
         self.repriced = 0
 
     def reprice(self) -> None:

@@ -39,6 +39,8 @@ class RecordingRollout:
         self.stuck = dict(stuck or {})
         self.registered: dict[str, tuple[int, str]] = {}
         self.routed: set[str] = set()
+        self.expected: list[tuple[int, ...]] = []
+        """Each `expect` call's TP sizes, apart from `calls`."""
 
     def drain(self, instance_id: str, timeout_s: float) -> int:
         self.calls.append(("drain", instance_id, timeout_s))
@@ -67,6 +69,9 @@ class RecordingRollout:
 
     def set_bucket_thresholds(self, thresholds) -> None:
         self.calls.append(("thresholds", thresholds))
+
+    def expect(self, tp_sizes: tuple[int, ...]) -> None:
+        self.expected.append(tuple(tp_sizes))
 
 
 class RecordingTraining:

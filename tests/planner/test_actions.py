@@ -151,6 +151,8 @@ def test_replans_drain_cut_join_release_in_order(setup):
         ("remove", "rollout-tp1-d1"),
     ]
     assert "drain timed out: cut 2" in report.results[1].detail
+    # The pool held the TP-2 instance as loading from the plan's start, and let it go at its end.
+    assert rollout.expected[-2:] == [(2,), ()]
     assert ("join", 1, 1) in training.calls
     assert sorted(running_devices(ctl).values()) == [(1,), (2, 3)]
     assert set(executor.running_hybrids()) == {1}
@@ -220,6 +222,8 @@ def test_a_failed_start_stops_the_rest_and_keeps_running_instances(setup):
         Outcome.SKIPPED,
     ]
     assert report.failed.index == 1 and "exit 3" in report.failed.detail
+    # Nothing waits for the instances that did not start.
+    assert rollout.expected[-2:] == [(1, 1), ()]
     # The instance on d2 was never touched: still running, registered and routed to.
     assert not any(c[1] == "rollout-tp1-d2" for c in rollout.calls)
     assert "rollout-tp1-d2" in rollout.routed and "rollout-tp1-d2" in executor.running_instances()

@@ -92,6 +92,8 @@ class Instance:
     kv_used: int = 0
     kv_capacity: int = 0
     """0: never reported."""
+    loading: bool = False
+    """Added not ready and not ready since (one set not ready after serving is leaving)."""
 
 
 def clamp(tokens: int) -> int:
@@ -281,7 +283,7 @@ class ReferenceCmlfq:
 
     def add_instance(self, instance_id: int, bucket: int, ready: bool = True, weight: int = 1) -> None:
         assert instance_id not in self.instances
-        self.instances[instance_id] = Instance(bucket, ready, weight=weight)
+        self.instances[instance_id] = Instance(bucket, ready, weight=weight, loading=not ready)
 
     def remove_instance(self, instance_id: int) -> list[str]:
         del self.instances[instance_id]
@@ -293,7 +295,9 @@ class ReferenceCmlfq:
     on_instance_lost = remove_instance
 
     def set_instance_ready(self, instance_id: int, ready: bool) -> None:
-        self.instances[instance_id].ready = ready
+        instance = self.instances[instance_id]
+        instance.ready = ready
+        instance.loading = instance.loading and not ready
 
     def set_instance_kv(self, instance_id: int, used_tokens: int, capacity_tokens: int) -> None:
         instance = self.instances[instance_id]
@@ -374,6 +378,7 @@ class ReferenceCmlfq:
         for other in sorted(range(num_buckets), key=lambda b: (abs(b - bucket), -b))[1:]:
             if (chosen := least_loaded({other}, capped=True)) is not None:
                 return other, chosen, Reason.BUCKET_SATURATED_FALLBACK
-        if (chosen := least_loaded(set(range(num_buckets)), capped=False)) is not None:
+        loading = any(instance.loading for instance in self.instances.values())
+        if not loading and (chosen := least_loaded(set(range(num_buckets)), capped=False)) is not None:
             return self.instances[chosen].bucket, chosen, Reason.ANY_INSTANCE_FALLBACK
         return bucket, None, Reason.NO_INSTANCE

@@ -143,6 +143,35 @@ def test_saturated_bucket_falls_back_to_nearest_bucket_then_any_instance() -> No
     assert (anywhere.bucket, anywhere.instance_id, anywhere.reason) == (0, 0, Reason.ANY_INSTANCE_FALLBACK)
 
 
+@pytest.mark.parametrize("router_kind", ["cmlfq", "reference", "length_mlfq"])
+def test_full_everywhere_waits_for_an_instance_still_loading(router_kind: str) -> None:
+    """A plan replacing most of the pool: while its new instances load, what the ready ones have
+    no room for waits for them (NO_INSTANCE) instead of queueing behind a full instance, where
+    it would stay after the new ones serve. Once nothing loads, the overflow fallback is back."""
+    from libra.scheduler import LengthMlfqRouter
+    from tests.scheduler.reference_cmlfq import ReferenceCmlfq
+
+    buckets = (BucketConfig("s", 1, 100), BucketConfig("m", 2, 1000))
+    config = CmlfqConfig(buckets=buckets, rebuild_interval=0, max_queue_length=1)
+    router = {"cmlfq": CmlfqRouter, "reference": ReferenceCmlfq, "length_mlfq": LengthMlfqRouter}[
+        router_kind
+    ](config)
+    router.add_instance(0, 0)
+    router.add_instance(1, 1, ready=False)
+    assert router.admit("a", "p").instance_id == 0
+    waits = router.admit("b", "p")
+    assert (waits.instance_id, waits.reason) == (None, Reason.NO_INSTANCE)
+    router.set_instance_ready(1, True)
+    placed = router.reroute("b")
+    assert (placed.bucket, placed.instance_id) == (1, 1)
+    overflow = router.admit("c", "p")  # all full, nothing loading: the least loaded, lowest id
+    assert (overflow.instance_id, overflow.reason) == (0, Reason.ANY_INSTANCE_FALLBACK)
+    # An instance set not ready after serving is leaving (a drain), not loading: no waiting for it.
+    router.set_instance_ready(1, False)
+    leaving = router.admit("d", "p")
+    assert (leaving.instance_id, leaving.reason) == (0, Reason.ANY_INSTANCE_FALLBACK)
+
+
 def test_fallback_prefers_the_larger_of_two_equally_near_buckets() -> None:
     router = make_router((0, 0, 1, 2), max_queue_length=1)
     for _ in range(3):

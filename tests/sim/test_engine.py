@@ -457,9 +457,9 @@ def test_a_derived_cap_follows_the_pool_as_instances_join_and_leave():
     assert router.config.max_queue_length == -(-120 // w1)
     cluster.add_instance("i1", 1, 0, (1,), ready_at=0.0)
     assert router.config.max_queue_length == max(3, -(-120 // (2 * w1)))
-    # One still loading counts once it serves (the job's pool adds it only then).
+    # One still loading counts at once: the plan's pool, which the ready ones share the cap of.
     cluster.add_instance("i2", 2, 1, (2, 3), ready_at=5.0)
-    assert router.config.max_queue_length == max(3, -(-120 // (2 * w1)))
+    assert router.config.max_queue_length == max(3, -(-120 // (2 * w1 + w2)))
     cluster.run_until(lambda: False)
     assert cluster.now == 5.0
     assert router.config.max_queue_length == max(3, -(-120 // (2 * w1 + w2)))
