@@ -324,6 +324,10 @@ class RolloutCluster:
         del self._by_id[traj.trajectory_id]
         self.unplaced.discard(traj.key)
         self._turn_due.discard(traj.key)
+        # Its room goes to those waiting for it while instances load, as the job's pool wakes
+        # them (`InstancePool.room_freed`); otherwise nobody waits for room.
+        if self.unplaced and any(i.ready_at > self.now for i in self.instances.values()):
+            self.reroute_unplaced()
 
     def _follow(self, traj: LiveTrajectory, decision: Decision) -> None:
         traj.instance = decision.instance_id

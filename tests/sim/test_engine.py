@@ -470,3 +470,24 @@ def test_a_derived_cap_follows_the_pool_as_instances_join_and_leave():
     by_hand = RolloutCluster(kept, cmlfq, cost, max_batch=64)
     by_hand.add_instance("i0", 1, 0, (0,), ready_at=0.0)
     assert kept.config.max_queue_length == 5
+
+
+def test_while_an_instance_loads_what_has_no_room_waits_and_takes_the_room_a_finish_frees():
+    """The serving instance is full (cap 1) and another is loading: the second trajectory waits
+    unplaced (it does not queue over the cap) and runs as soon as the first ends, long before the
+    loading instance serves."""
+    config = tiny_config()
+    cost = RolloutCostModel(config.cluster, config.model, PlannerConfig(), DEFAULT_ROLLOUT_FACTORS)
+    cmlfq = CmlfqConfig(buckets=(BucketConfig("all", 1, 100_000),), max_queue_length=1)
+    cluster = RolloutCluster(CmlfqRouter(cmlfq), cmlfq, cost, max_batch=64)
+    serving = cluster.add_instance("serving", 1, 0, (0,), ready_at=0.0)
+    cluster.add_instance("loading", 1, 0, (1,), ready_at=1000.0)
+    done = {}
+    cluster.on_finish = lambda t: done.__setitem__(t.trajectory_id, (t.finished_at, t.instance))
+    cluster.start(trace("first", [100], prompt=10))
+    cluster.start(trace("second", [50], prompt=10))
+    assert len(cluster.unplaced) == 1
+    cluster.run_until(lambda: len(done) == 2)
+    (first_at, first_on), (second_at, second_on) = done["first"], done["second"]
+    assert first_on == second_on == serving.instance_id
+    assert first_at < second_at < 1000.0
