@@ -152,6 +152,10 @@ class LocalPool:
         self.router.add_instance(INSTANCE_ID, 0)
         self._pooled = _Pooled(INSTANCE_ID, instance, instance.max_model_len)
         self.changed = asyncio.Event()
+        self.waiting = 0  # its one instance is never full to the router, nobody waits for room
+
+    def room_freed(self) -> None:
+        """Nothing waits for room here (see `InstancePool.room_freed`)."""
 
     def get(self, instance_id: int) -> _Pooled:
         if instance_id != INSTANCE_ID:
