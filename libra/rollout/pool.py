@@ -31,7 +31,7 @@ from libra.control import convert as control_convert
 from libra.control.config import ControlConfig
 from libra.control.types import EventKind
 from libra.rollout.client import InstanceClient, open_aio_channel
-from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.config import BucketConfig, CmlfqConfig, bucket_of
 from libra.scheduler.interface import FairQueueLength, Router, reprice
 from libra.v1 import controller_pb2, controller_pb2_grpc
 
@@ -173,7 +173,7 @@ class InstancePool:
         self._expected = {}
         for tp in tp_sizes:
             router_id, self._next_expected_id = self._next_expected_id, self._next_expected_id + 1
-            bucket = nearest_bucket(self._cmlfq.buckets, tp)
+            bucket = bucket_of([b.tp_size for b in self._cmlfq.buckets], tp)
             self.router.add_instance(router_id, bucket, ready=False, weight=self._weight(tp))
             self._expected[router_id] = tp
         self._fit_queue_length()
@@ -321,7 +321,8 @@ class InstancePool:
                 )
             new_bucket[instance_id] = index
         in_service = {i: b for i, b in new_bucket.items() if not self._instances[i].lost}
-        in_service.update({r: nearest_bucket(cmlfq.buckets, tp) for r, tp in self._expected.items()})
+        tps = [b.tp_size for b in cmlfq.buckets]
+        in_service.update({r: bucket_of(tps, tp) for r, tp in self._expected.items()})
         self.router.update_buckets(cmlfq.buckets, in_service)
         self._cmlfq = cmlfq
         for instance_id, index in new_bucket.items():
@@ -430,11 +431,3 @@ class InstancePool:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         await asyncio.gather(*(p.client.close() for p in self._instances.values()), return_exceptions=True)
-
-
-def nearest_bucket(buckets: Sequence[BucketConfig], tp_size: int) -> int:
-    """The bucket of `tp_size`, else of the largest TP size below it, else the first: where an
-    expected instance waits in the router (its own bucket may come with the plan's thresholds)."""
-    exact = [i for i, b in enumerate(buckets) if b.tp_size == tp_size]
-    below = [i for i, b in enumerate(buckets) if b.tp_size < tp_size]
-    return (exact or below or [0])[-1]

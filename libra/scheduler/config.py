@@ -9,6 +9,7 @@ most 3 trajectories per instance before its bucket counts as saturated.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -185,6 +186,14 @@ class CmlfqConfig:
     def speeds(self) -> list[tuple[float, float, float, float]]:
         """Each bucket's speed as the core takes it; empty when the buckets have none."""
         return [b.speed.as_tuple() for b in self.buckets if b.speed is not None]
+
+
+def bucket_of(bucket_tps: Sequence[int], tp: int) -> int:
+    """The bucket of an instance of size `tp` among buckets of ascending TP sizes: its own, else
+    the largest not above it, else the first (the simulator's layouts, and where the job's pool
+    holds an instance a plan is starting whose bucket may come with the plan's thresholds)."""
+    fitting = [i for i, b in enumerate(bucket_tps) if b <= tp]
+    return fitting[-1] if fitting else 0
 
 
 def fair_queue_length(in_flight: int, total_weight: int) -> int:

@@ -32,7 +32,7 @@ from libra.planner.rollout_cost import RolloutCostModel
 from libra.planner.routing_speeds import with_speeds
 from libra.planner.training_cost import SequenceStats, TrainingConfig, TrainingCostModel
 from libra.planner.triggers import StepObservation
-from libra.scheduler.config import BucketConfig, fair_queue_length
+from libra.scheduler.config import BucketConfig, bucket_of, fair_queue_length
 from libra.scheduler.factory import make_router
 from libra.sim.config import Mode, PolicySpec, SimConfig
 from libra.sim.engine import LiveTrajectory, RolloutCluster
@@ -40,7 +40,6 @@ from libra.sim.metrics import DeviceLedger, SimResult, StepRecord, tail_share
 from libra.sim.pools import (
     Layout,
     bucket_configs,
-    bucket_of,
     build_layout,
     plan_buckets,
     planning_problem,

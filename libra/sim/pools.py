@@ -25,7 +25,7 @@ from libra.planner.training_cost import (
     TrainingCostModel,
     batch_split_error,
 )
-from libra.scheduler.config import BucketConfig, CmlfqConfig
+from libra.scheduler.config import BucketConfig, CmlfqConfig, bucket_of
 from libra.sim.config import Mode, PolicySpec, Pool, SimConfig
 from libra.training.elastic import HybridPoolLimits
 
@@ -202,12 +202,6 @@ def plan_buckets(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def bucket_configs(tps: tuple[int, ...], thresholds: tuple[int, ...]) -> tuple[BucketConfig, ...]:
     return tuple(BucketConfig(f"tp{tp}", tp, t) for tp, t in zip(tps, thresholds, strict=True))
-
-
-def bucket_of(bucket_tps: tuple[int, ...], tp: int) -> int:
-    """The bucket of an instance of size tp: the largest bucket TP not above it."""
-    fitting = [i for i, b in enumerate(bucket_tps) if b <= tp]
-    return fitting[-1] if fitting else 0
 
 
 def initial_plan(config: SimConfig, history: tuple[RequestRecord, ...], max_staleness: int) -> Plan:
